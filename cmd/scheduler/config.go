@@ -1,0 +1,241 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"reflect"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/caarlos0/env/v11"
+
+	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/kafkaclient"
+)
+
+// config is the service's configuration, read from the environment. The
+// `form` tag says what a valid value looks like: it is printed by --help and
+// in every error about the variable. The README's table lists the same
+// variables with the same defaults (a test checks that).
+type config struct {
+	DatabaseURL   string   `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate)"`
+	KafkaBrokers  []string `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
+	DeferTopic    string   `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
+	ConsumerGroup string   `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
+	TargetTopics  string   `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
+	HTTPAddr      string   `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz and /metrics"`
+	MaxDelay      time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
+
+	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records written per insert (per partition)"`
+	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill"`
+
+	DispatchLoops        int           `env:"DISPATCH_LOOPS" envDefault:"4" form:"integer 1..256" help:"dispatch loops shared by all replicas on the database"`
+	DispatchWorkers      int           `env:"DISPATCH_WORKERS" envDefault:"4" form:"integer 1..256" help:"dispatch loops this replica runs at most"`
+	DispatchBatchKeys    int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
+	DispatchKeyBatch     int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
+	DispatchLoopDuration time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
+	LeaseDuration        time.Duration `env:"LEASE_DURATION" envDefault:"2m" form:"Go duration, longer than the longest publish (see --help)" help:"how long a claim holds its keys; after a crash, keys wait this long"`
+	PollInterval         time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
+	ListenNotify         bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications; false for PgBouncer transaction mode (poll only)"`
+	DBMaxConns           int32         `env:"DB_MAX_CONNS" envDefault:"20" form:"integer 4..1000" help:"Postgres connection pool size"`
+
+	KafkaVersion            string `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`
+	KafkaClientID           string `env:"KAFKA_CLIENT_ID" envDefault:"defer-scheduler" form:"string" help:"client.id sent to the brokers"`
+	KafkaTLS                bool   `env:"KAFKA_TLS" envDefault:"false" form:"true or false" help:"connect to the brokers with TLS"`
+	KafkaTLSCAFile          string `env:"KAFKA_TLS_CA_FILE" form:"path to a PEM file" help:"CA bundle for the brokers' certificates (default: system roots)"`
+	KafkaTLSCertFile        string `env:"KAFKA_TLS_CERT_FILE" form:"path to a PEM file" help:"client certificate for mutual TLS"`
+	KafkaTLSKeyFile         string `env:"KAFKA_TLS_KEY_FILE" form:"path to a PEM file" help:"client key for mutual TLS"`
+	KafkaTLSInsecureSkipVer bool   `env:"KAFKA_TLS_INSECURE_SKIP_VERIFY" envDefault:"false" form:"true or false" help:"do not verify the brokers' certificates (testing only)"`
+	KafkaSASLMechanism      string `env:"KAFKA_SASL_MECHANISM" form:"empty, PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512" help:"SASL mechanism (empty: no SASL)"`
+	KafkaSASLUser           string `env:"KAFKA_SASL_USER" form:"string" help:"SASL user"`
+	KafkaSASLPassword       string `env:"KAFKA_SASL_PASSWORD" form:"string" help:"SASL password"`
+
+	LogLevel        string        `env:"LOG_LEVEL" envDefault:"info" form:"debug, info, warn or error" help:"log level"`
+	LogFormat       string        `env:"LOG_FORMAT" envDefault:"text" form:"text or json" help:"log format"`
+	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
+
+	targets deferral.TargetPatterns
+}
+
+// loadConfig reads the configuration from environ (os.Environ form) and
+// validates it. Every error names the variable and the accepted form.
+func loadConfig(environ []string) (config, error) {
+	vars := map[string]string{}
+	for _, kv := range environ {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			vars[k] = v
+		}
+	}
+	var c config
+	if err := env.ParseWithOptions(&c, env.Options{Environment: vars}); err != nil {
+		return c, explainEnvError(err, vars)
+	}
+	return c, c.validate()
+}
+
+// explainEnvError rewrites caarlos0/env errors, which name Go fields, into
+// ones that name the variable, the value and what is accepted.
+func explainEnvError(err error, vars map[string]string) error {
+	var agg env.AggregateError
+	if !errors.As(err, &agg) {
+		return err
+	}
+	var out []error
+	for _, e := range agg.Errors {
+		var pe env.ParseError
+		if errors.As(e, &pe) {
+			if f, ok := reflect.TypeFor[config]().FieldByName(pe.Name); ok {
+				name := f.Tag.Get("env")
+				out = append(out, fmt.Errorf("%s=%q is not valid (%v): want %s", name, vars[name], pe.Err, f.Tag.Get("form")))
+				continue
+			}
+		}
+		out = append(out, e)
+	}
+	return errors.Join(out...)
+}
+
+func bad(name, value, form string, why ...any) error {
+	msg := fmt.Sprintf("%s=%q is not valid", name, value)
+	if len(why) > 0 {
+		msg += " (" + fmt.Sprint(why...) + ")"
+	}
+	return errors.New(msg + ": want " + form)
+}
+
+// validate checks values beyond their type. It reports every problem, not
+// just the first, so one start-up attempt shows everything to fix.
+func (c *config) validate() error {
+	var errs []error
+	intRange := func(name string, v, lo, hi int) {
+		if v < lo || v > hi {
+			errs = append(errs, bad(name, fmt.Sprint(v), fmt.Sprintf("integer %d..%d", lo, hi)))
+		}
+	}
+	intRange("INGEST_BATCH_SIZE", c.IngestBatchSize, 1, 100000)
+	intRange("DISPATCH_LOOPS", c.DispatchLoops, 1, 256)
+	intRange("DISPATCH_WORKERS", c.DispatchWorkers, 1, 256)
+	intRange("DISPATCH_BATCH_KEYS", c.DispatchBatchKeys, 1, 100000)
+	intRange("DISPATCH_KEY_BATCH", c.DispatchKeyBatch, 1, 10000)
+	intRange("DB_MAX_CONNS", int(c.DBMaxConns), 4, 1000)
+
+	positive := func(name string, d time.Duration, form string) {
+		if d <= 0 {
+			errs = append(errs, bad(name, d.String(), form, "must be positive"))
+		}
+	}
+	positive("MAX_DELAY", c.MaxDelay, "Go duration, e.g. 168h")
+	positive("INGEST_BATCH_LINGER", c.IngestBatchLinger, "Go duration, e.g. 20ms")
+	positive("SHUTDOWN_TIMEOUT", c.ShutdownTimeout, "Go duration")
+	if c.DispatchLoopDuration < time.Second {
+		errs = append(errs, bad("DISPATCH_LOOP_DURATION", c.DispatchLoopDuration.String(), "Go duration >= 1s"))
+	}
+	// Notifications only announce heads due within 5 s (see the migration),
+	// so a loop must never sleep longer than that without looking.
+	if c.PollInterval < 10*time.Millisecond || c.PollInterval > 5*time.Second {
+		errs = append(errs, bad("POLL_INTERVAL", c.PollInterval.String(), "Go duration, 10ms..5s"))
+	}
+
+	var err error
+	if c.targets, err = deferral.ParseTargetPatterns(c.TargetTopics); err != nil {
+		errs = append(errs, bad("TARGET_TOPICS", c.TargetTopics, "comma-separated path.Match globs, e.g. orders.*,payments.retry", err))
+	}
+	if !deferral.ValidTopic(c.DeferTopic) {
+		errs = append(errs, bad("DEFER_TOPIC", c.DeferTopic, "Kafka topic name: 1-249 of [a-zA-Z0-9._-]"))
+	}
+	if strings.TrimSpace(c.ConsumerGroup) == "" {
+		errs = append(errs, bad("CONSUMER_GROUP", c.ConsumerGroup, "non-empty consumer group id"))
+	}
+	for _, b := range c.KafkaBrokers {
+		if _, _, err := net.SplitHostPort(strings.TrimSpace(b)); err != nil {
+			errs = append(errs, bad("KAFKA_BROKERS", strings.Join(c.KafkaBrokers, ","), "comma-separated host:port list", err))
+			break
+		}
+	}
+	if _, _, err := net.SplitHostPort(c.HTTPAddr); err != nil {
+		errs = append(errs, bad("HTTP_ADDR", c.HTTPAddr, "host:port, e.g. :8080", err))
+	}
+	switch c.LogLevel {
+	case "debug", "info", "warn", "error":
+	default:
+		errs = append(errs, bad("LOG_LEVEL", c.LogLevel, "debug, info, warn or error"))
+	}
+	switch c.LogFormat {
+	case "text", "json":
+	default:
+		errs = append(errs, bad("LOG_FORMAT", c.LogFormat, "text or json"))
+	}
+	if kc, err := c.kafka().Config(); err != nil {
+		errs = append(errs, fmt.Errorf("KAFKA_* settings: %w", err))
+	} else if limit := dispatch.MaxPublishDuration(dispatch.ProducerConfig(kc)); c.LeaseDuration <= limit {
+		errs = append(errs, bad("LEASE_DURATION", c.LeaseDuration.String(),
+			fmt.Sprintf("Go duration longer than the longest publish, %v", limit)))
+	}
+	return errors.Join(errs...)
+}
+
+// requireRun checks what only `run` needs.
+func (c *config) requireRun() error {
+	var errs []error
+	if c.DatabaseURL == "" {
+		errs = append(errs, errors.New("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db"))
+	}
+	if len(c.KafkaBrokers) == 0 {
+		errs = append(errs, errors.New("KAFKA_BROKERS is not set: want a comma-separated host:port list"))
+	}
+	return errors.Join(errs...)
+}
+
+func (c *config) kafka() kafkaclient.Settings {
+	return kafkaclient.Settings{
+		Version: c.KafkaVersion, ClientID: c.KafkaClientID,
+		TLS: c.KafkaTLS, TLSCAFile: c.KafkaTLSCAFile, TLSCertFile: c.KafkaTLSCertFile, TLSKeyFile: c.KafkaTLSKeyFile,
+		TLSInsecureSkipVer: c.KafkaTLSInsecureSkipVer,
+		SASLMechanism:      c.KafkaSASLMechanism, SASLUser: c.KafkaSASLUser, SASLPassword: c.KafkaSASLPassword,
+	}
+}
+
+func (c *config) logger(w io.Writer) *slog.Logger {
+	var level slog.Level
+	_ = level.UnmarshalText([]byte(c.LogLevel)) // validated
+	opts := &slog.HandlerOptions{Level: level}
+	if c.LogFormat == "json" {
+		return slog.New(slog.NewJSONHandler(w, opts))
+	}
+	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// envVar describes one variable, for --help and the README check.
+type envVar struct {
+	Name, Default, Form, Help string
+}
+
+func envVars() []envVar {
+	t := reflect.TypeFor[config]()
+	var out []envVar
+	for i := range t.NumField() {
+		f := t.Field(i)
+		if name := f.Tag.Get("env"); name != "" {
+			out = append(out, envVar{Name: name, Default: f.Tag.Get("envDefault"), Form: f.Tag.Get("form"), Help: f.Tag.Get("help")})
+		}
+	}
+	return out
+}
+
+func printEnvHelp(w io.Writer) {
+	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
+	fmt.Fprintln(tw, "  VARIABLE\tDEFAULT\tMEANING")
+	for _, v := range envVars() {
+		def := v.Default
+		if def == "" {
+			def = "-"
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", v.Name, def, v.Help)
+	}
+	tw.Flush()
+}

@@ -1,0 +1,351 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/deferq/scheduler/internal/pglocal"
+)
+
+const (
+	demoTarget = "payments.retry"
+)
+
+// cmdDemo runs the service end to end on embedded defaults and narrates a
+// short scenario: deferral, holding, per-key order, an SQL expedite and a
+// rejected record.
+func cmdDemo(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	verbose := fs.Bool("v", false, "also print the service's own logs")
+	if done, code := parseFlags(fs, args, stdout, stderr, func(w io.Writer) {
+		fmt.Fprint(w, `Usage: scheduler demo [flags]
+
+Runs the scheduler end to end with nothing set up: a throwaway PostgreSQL
+cluster from the system's binaries (unless DATABASE_URL is set; installed with
+apt-get when missing and running as root) and an in-process Kafka broker.
+A scripted scenario shows messages deferred, held, republished in per-key
+order, one expedited with SQL, and one bad record rejected with its reason.
+It ends by itself (about 15 seconds) and removes what it created.
+
+`)
+	}); done {
+		return code
+	}
+	d := &demo{out: stdout}
+	if err := d.run(ctx, environ, *verbose, stderr); err != nil {
+		fmt.Fprintf(stderr, "scheduler demo: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+type demo struct {
+	out   io.Writer
+	start time.Time
+}
+
+func (d *demo) say(format string, args ...any) {
+	fmt.Fprintf(d.out, "[%5.1fs] %s\n", time.Since(d.start).Seconds(), fmt.Sprintf(format, args...))
+}
+
+func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr io.Writer) error {
+	d.start = time.Now()
+	dbURL := lookup(environ, "DATABASE_URL")
+	if dbURL == "" {
+		if _, err := pglocal.Binaries(); err != nil {
+			d.say("PostgreSQL server binaries not found; installing the postgresql package")
+			if err := pglocal.Install(ctx, d.out); err != nil {
+				return err
+			}
+		}
+		d.say("starting a throwaway PostgreSQL cluster")
+		cluster, err := pglocal.Start(ctx, pglocal.Options{})
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if err := cluster.Stop(context.WithoutCancel(ctx)); err != nil {
+				fmt.Fprintf(stderr, "scheduler demo: stop PostgreSQL: %v\n", err)
+			}
+			d.say("removed the throwaway PostgreSQL cluster")
+		}()
+		dbURL = cluster.URL("postgres")
+	} else {
+		d.say("using DATABASE_URL (the demo's rows are deleted at the end)")
+	}
+
+	broker, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "scheduler.defer", demoTarget))
+	if err != nil {
+		return fmt.Errorf("start in-process Kafka broker: %w", err)
+	}
+	defer broker.Close()
+	addr := broker.ListenAddrs()[0]
+	d.say("in-process Kafka broker on %s with topics scheduler.defer and %s", addr, demoTarget)
+
+	cfg, err := loadConfig(append(environ,
+		"DATABASE_URL="+dbURL, "KAFKA_BROKERS="+addr, "TARGET_TOPICS=payments.*",
+		"HTTP_ADDR=127.0.0.1:0", "CONSUMER_GROUP=demo-scheduler", "POLL_INTERVAL=200ms",
+		"DISPATCH_LOOPS=2", "DISPATCH_WORKERS=2"))
+	if err != nil {
+		return err
+	}
+	logger := discardLogger()
+	if verbose {
+		logger = cfg.logger(stderr)
+	}
+	svcCtx, stopSvc := context.WithCancel(ctx)
+	defer stopSvc()
+	svc, err := newService(svcCtx, cfg, logger, true)
+	if err != nil {
+		return err
+	}
+	pool := svc.pool
+	d.say("migrated the database; scheduler running (TARGET_TOPICS=payments.*)")
+	svcDone := make(chan error, 1)
+	go func() { svcDone <- svc.run(svcCtx) }()
+	scenarioErr := d.scenario(ctx, pool, addr)
+	if lookup(environ, "DATABASE_URL") != "" {
+		// Leave a database we were given as we found it.
+		if _, err := pool.Exec(context.WithoutCancel(ctx), "DELETE FROM deferred_message WHERE business_key LIKE 'demo-%'"); err != nil {
+			scenarioErr = errors.Join(scenarioErr, fmt.Errorf("remove the demo's rows: %w", err))
+		}
+	}
+	stopSvc()
+	if err := errors.Join(scenarioErr, <-svcDone); err != nil {
+		return err
+	}
+	d.say("scheduler stopped cleanly")
+	return nil
+}
+
+func lookup(environ []string, name string) string {
+	for _, kv := range environ {
+		if k, v, ok := strings.Cut(kv, "="); ok && k == name {
+			return v
+		}
+	}
+	return ""
+}
+
+type demoRecord struct {
+	label   string
+	key     string
+	headers map[string]string
+}
+
+func (d *demo) scenario(ctx context.Context, pool *pgxpool.Pool, addr string) error {
+	pc := sarama.NewConfig()
+	pc.Producer.Return.Successes = true
+	pc.Producer.Partitioner = sarama.NewMurmur2Partitioner
+	producer, err := sarama.NewSyncProducer([]string{addr}, pc)
+	if err != nil {
+		return fmt.Errorf("demo producer: %w", err)
+	}
+	defer producer.Close()
+
+	arrivals := make(chan *sarama.ConsumerMessage, 16)
+	cctx, stopConsumer := context.WithCancel(ctx)
+	defer stopConsumer()
+	if err := consumeAll(cctx, addr, demoTarget, arrivals); err != nil {
+		return err
+	}
+
+	d.say("a payments consumer fails on three messages of order demo-42 and defers them:")
+	records := []demoRecord{
+		{"demo-42 #1 (retry in 4s)", "demo-42", map[string]string{"defer.delay": "4s"}},
+		{"demo-42 #2 (retry in 1s)", "demo-42", map[string]string{"defer.delay": "1s"}},
+		{"demo-42 #3 (retry now)", "demo-42", map[string]string{"defer.delay": "0s"}},
+		{"demo-7  #1 (retry in 1h)", "demo-7", map[string]string{"defer.delay": "1h"}},
+		{"no target (bad record)", "demo-bad", map[string]string{"defer.delay": "1s", "defer.target": ""}},
+	}
+	for _, r := range records {
+		msg := &sarama.ProducerMessage{Topic: "scheduler.defer", Key: sarama.StringEncoder(r.key),
+			Value: sarama.StringEncoder(`{"payment":"` + r.label + `"}`)}
+		hdr := map[string]string{"defer.target": demoTarget, "defer.error.class": "ProviderTimeout", "trace-id": "abc123"}
+		for k, v := range r.headers {
+			hdr[k] = v
+		}
+		for _, k := range []string{"trace-id", "defer.target", "defer.delay", "defer.error.class"} {
+			if v := hdr[k]; v != "" {
+				msg.Headers = append(msg.Headers, sarama.RecordHeader{Key: []byte(k), Value: []byte(v)})
+			}
+		}
+		if _, _, err := producer.SendMessage(msg); err != nil {
+			return fmt.Errorf("produce %s: %w", r.label, err)
+		}
+		d.say("  produced %s", r.label)
+	}
+	d.say("demo-42 #2 and #3 are due first, but per-key order holds them behind #1.")
+
+	if err := waitFor(ctx, 10*time.Second, func() (bool, error) {
+		var n int
+		err := pool.QueryRow(ctx, "SELECT count(*) FROM deferred_message WHERE business_key LIKE 'demo-%'").Scan(&n)
+		return n >= 5, err
+	}); err != nil {
+		return fmt.Errorf("waiting for ingest: %w", err)
+	}
+	d.say("stored in Postgres:")
+	if err := d.table(ctx, pool, `SELECT id, business_key, seq, state,
+		to_char(greatest(next_run_at - now(), interval '0'), 'HH24:MI:SS') AS due_in, coalesce(reason, '') AS reason
+		FROM deferred_message WHERE business_key LIKE 'demo-%' ORDER BY id`); err != nil {
+		return err
+	}
+	d.say("the bad record is kept as 'rejected' with its reason; it is never sent on its own.")
+
+	got := 0
+	expect := func(n int, within time.Duration) error {
+		deadline := time.After(within)
+		for got < n {
+			select {
+			case m := <-arrivals:
+				got++
+				d.say("  -> %s: %s  (defer.id=%s defer.attempt=%s)", demoTarget, m.Value, header(m, "defer.id"), header(m, "defer.attempt"))
+			case <-deadline:
+				return fmt.Errorf("only %d of %d messages arrived on %s", got, n, demoTarget)
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return nil
+	}
+	d.say("waiting: #1 goes out at 4s, and #2 and #3 right behind it, in order:")
+	if err := expect(3, 10*time.Second); err != nil {
+		return err
+	}
+
+	d.say("an operator expedites order demo-7 with plain SQL:")
+	const expedite = "UPDATE deferred_message SET next_run_at = now() WHERE business_key = 'demo-7'"
+	d.say("  %s", expedite)
+	if _, err := pool.Exec(ctx, expedite); err != nil {
+		return err
+	}
+	if err := expect(4, 5*time.Second); err != nil {
+		return err
+	}
+	// The broker acknowledges before the rows are deleted (publish, then
+	// finalize), so give finalize its moment.
+	if err := waitFor(ctx, 5*time.Second, func() (bool, error) {
+		var n int
+		err := pool.QueryRow(ctx, "SELECT count(*) FROM deferred_message WHERE business_key LIKE 'demo-%' AND state = 'pending'").Scan(&n)
+		return n == 0, err
+	}); err != nil {
+		return fmt.Errorf("waiting for published rows to be deleted: %w", err)
+	}
+	d.say("left in the table (published rows are deleted once the broker acknowledged them):")
+	if err := d.table(ctx, pool, `SELECT id, business_key, state, reason FROM deferred_message
+		WHERE business_key LIKE 'demo-%' ORDER BY id`); err != nil {
+		return err
+	}
+	d.say("done: 4 messages republished in per-key order, 1 rejected and kept for an operator.")
+	return nil
+}
+
+func header(m *sarama.ConsumerMessage, key string) string {
+	for _, h := range m.Headers {
+		if string(h.Key) == key {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
+// consumeAll reads every partition of topic from the oldest offset into out.
+func consumeAll(ctx context.Context, addr, topic string, out chan<- *sarama.ConsumerMessage) error {
+	consumer, err := sarama.NewConsumer([]string{addr}, sarama.NewConfig())
+	if err != nil {
+		return fmt.Errorf("demo consumer: %w", err)
+	}
+	parts, err := consumer.Partitions(topic)
+	if err != nil {
+		consumer.Close()
+		return fmt.Errorf("partitions of %s: %w", topic, err)
+	}
+	for _, p := range parts {
+		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+		if err != nil {
+			consumer.Close()
+			return fmt.Errorf("consume %s/%d: %w", topic, p, err)
+		}
+		go func() {
+			for {
+				select {
+				case m := <-pc.Messages():
+					select {
+					case out <- m:
+					case <-ctx.Done():
+						return
+					}
+				case <-ctx.Done():
+					return
+				}
+			}
+		}()
+	}
+	context.AfterFunc(ctx, func() { consumer.Close() })
+	return nil
+}
+
+func waitFor(ctx context.Context, within time.Duration, cond func() (bool, error)) error {
+	deadline := time.Now().Add(within)
+	for {
+		ok, err := cond()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return errors.New("timed out")
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// table prints a query's result as an aligned table.
+func (d *demo) table(ctx context.Context, pool *pgxpool.Pool, query string) error {
+	rows, err := pool.Query(ctx, query)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	tw := tabwriter.NewWriter(d.out, 2, 8, 2, ' ', 0)
+	var names []string
+	for _, f := range rows.FieldDescriptions() {
+		names = append(names, f.Name)
+	}
+	fmt.Fprintln(tw, "         "+strings.Join(names, "\t"))
+	for rows.Next() {
+		vals, err := rows.Values()
+		if err != nil {
+			return err
+		}
+		cells := make([]string, len(vals))
+		for i, v := range vals {
+			if v == nil {
+				v = ""
+			}
+			cells[i] = fmt.Sprint(v)
+		}
+		fmt.Fprintln(tw, "         "+strings.Join(cells, "\t"))
+	}
+	if err := rows.Err(); err != nil {
+		return err
+	}
+	return tw.Flush()
+}
+

@@ -1,0 +1,241 @@
+package deferral
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/IBM/sarama"
+)
+
+// ConsumerConfig returns consumer-group settings for ingest: start from the
+// oldest record when the group has no committed offset (records produced
+// before the first start are not skipped), and commit only offsets that were
+// marked, which ingest does after the rows are committed. Callers add
+// brokers, TLS and SASL.
+func ConsumerConfig(base *sarama.Config) *sarama.Config {
+	c := base
+	c.Consumer.Offsets.Initial = sarama.OffsetOldest
+	c.Consumer.Offsets.AutoCommit.Enable = true
+	c.Consumer.Offsets.AutoCommit.Interval = time.Second
+	c.Consumer.Return.Errors = true
+	c.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategySticky()}
+	c.ChannelBufferSize = 1024
+	return c
+}
+
+// IngestConfig tunes an Ingester.
+type IngestConfig struct {
+	Topic string
+	Rules Rules
+	// BatchSize and BatchLinger bound a batch by count and by age: a batch is
+	// written when it is full or when its first record has waited BatchLinger.
+	BatchSize   int
+	BatchLinger time.Duration
+}
+
+// Ingester consumes the defer topic and stores what it reads.
+type Ingester struct {
+	group  sarama.ConsumerGroup
+	store  *Store
+	cfg    IngestConfig
+	logger *slog.Logger
+	now    func() time.Time
+
+	joined atomic.Bool
+	// stored and rejected count rows written since start.
+	stored, rejected, duplicates atomic.Int64
+
+	// afterStore, when set (tests), runs after a batch is committed to the
+	// database and before its offsets are marked; an error ends the claim
+	// there, as a crash would.
+	afterStore func() error
+}
+
+// NewIngester returns an Ingester that reads with group.
+func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, logger *slog.Logger) (*Ingester, error) {
+	switch {
+	case cfg.Topic == "":
+		return nil, errors.New("ingest: topic is empty")
+	case cfg.BatchSize < 1:
+		return nil, fmt.Errorf("ingest: batch size %d, need at least 1", cfg.BatchSize)
+	case cfg.BatchLinger <= 0:
+		return nil, fmt.Errorf("ingest: batch linger %v must be positive", cfg.BatchLinger)
+	}
+	return &Ingester{group: group, store: store, cfg: cfg, logger: logger, now: time.Now}, nil
+}
+
+// Joined reports whether ingest currently holds a consumer-group session.
+func (in *Ingester) Joined() bool { return in.joined.Load() }
+
+// Counts returns rows stored, of which rejected, and records skipped as
+// already stored, since start.
+func (in *Ingester) Counts() (stored, rejected, duplicates int64) {
+	return in.stored.Load(), in.rejected.Load(), in.duplicates.Load()
+}
+
+// Run consumes until ctx is done. Errors from the group (a broker away, a
+// rebalance failing) are logged and retried: ingest must come back by itself.
+func (in *Ingester) Run(ctx context.Context) error {
+	go func() {
+		for err := range in.group.Errors() {
+			in.logger.Warn("ingest consumer error", "error", err)
+		}
+	}()
+	var failures int
+	for ctx.Err() == nil {
+		err := in.group.Consume(ctx, []string{in.cfg.Topic}, in)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if err != nil {
+			failures++
+			in.logger.Warn("ingest session ended", "error", err, "consecutive", failures)
+			sleep(ctx, backoff(failures))
+			continue
+		}
+		failures = 0
+	}
+	return nil
+}
+
+// Setup implements sarama.ConsumerGroupHandler.
+func (in *Ingester) Setup(sarama.ConsumerGroupSession) error {
+	in.joined.Store(true)
+	return nil
+}
+
+// Cleanup implements sarama.ConsumerGroupHandler.
+func (in *Ingester) Cleanup(sarama.ConsumerGroupSession) error {
+	in.joined.Store(false)
+	return nil
+}
+
+// ConsumeClaim implements sarama.ConsumerGroupHandler: it batches the
+// partition's records by count and by time and stores each batch before
+// marking its offsets. When the session ends (rebalance, shutdown) it writes
+// what it holds, so nothing read is left unstored, and returns.
+func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+	ctx := sess.Context()
+	batch := make([]*sarama.ConsumerMessage, 0, in.cfg.BatchSize)
+	linger := time.NewTimer(time.Hour)
+	linger.Stop()
+	defer linger.Stop()
+
+	flush := func(ctx context.Context) error {
+		if len(batch) == 0 {
+			return nil
+		}
+		err := in.flush(ctx, sess, claim.Topic(), claim.Partition(), batch)
+		batch = batch[:0]
+		return err
+	}
+	for {
+		select {
+		case msg, ok := <-claim.Messages():
+			if !ok {
+				return flush(finalContext(ctx))
+			}
+			if len(batch) == 0 {
+				linger.Reset(in.cfg.BatchLinger)
+			}
+			batch = append(batch, msg)
+			if len(batch) >= in.cfg.BatchSize {
+				linger.Stop()
+				if err := flush(ctx); err != nil {
+					return err
+				}
+			}
+		case <-linger.C:
+			if err := flush(ctx); err != nil {
+				return err
+			}
+		case <-ctx.Done():
+			return flush(finalContext(ctx))
+		}
+	}
+}
+
+// finalContext is for the last write of a session that is ending: the session
+// context is already cancelled, but the records it read should still be stored
+// if the database answers quickly.
+func finalContext(ctx context.Context) context.Context {
+	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	context.AfterFunc(c, cancel)
+	return c
+}
+
+// flush parses and stores one batch, retrying the database until it succeeds
+// or ctx ends, then marks the batch's offsets. Offsets of a batch that was not
+// stored are never marked, so its records are read again by whoever owns the
+// partition next.
+func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession, topic string, partition int32, msgs []*sarama.ConsumerMessage) error {
+	start := in.now()
+	entries := make([]Entry, len(msgs))
+	var rejected int64
+	for i, m := range msgs {
+		rec := Record{Key: m.Key, Value: m.Value, Headers: make([]Header, len(m.Headers))}
+		for j, h := range m.Headers {
+			rec.Headers[j] = Header{Key: h.Key, Value: h.Value}
+		}
+		sc, err := Parse(rec, in.cfg.Rules, start)
+		entries[i] = Entry{Offset: m.Offset, Record: rec, Schedule: sc}
+		if err != nil {
+			var rej *RejectError
+			if !errors.As(err, &rej) {
+				rej = &RejectError{Code: "invalid_record", Detail: err.Error()}
+			}
+			entries[i].Reject = rej
+			rejected++
+		}
+	}
+
+	var stored int64
+	for attempt := 1; ; attempt++ {
+		var err error
+		stored, err = in.store.Insert(ctx, topic, partition, entries)
+		if err == nil {
+			break
+		}
+		if ctx.Err() != nil {
+			return fmt.Errorf("ingest stopped before storing: %w", err)
+		}
+		in.logger.Warn("store batch failed; retrying, offsets not committed", "error", err,
+			"topic", topic, "partition", partition, "attempt", attempt)
+		sleep(ctx, backoff(attempt))
+	}
+	if in.afterStore != nil {
+		if err := in.afterStore(); err != nil {
+			return err
+		}
+	}
+	sess.MarkMessage(msgs[len(msgs)-1], "")
+
+	in.stored.Add(stored)
+	in.rejected.Add(rejected)
+	in.duplicates.Add(int64(len(msgs)) - stored)
+	in.logger.Info("ingested batch", "topic", topic, "partition", partition,
+		"records", len(msgs), "stored", stored, "rejected", rejected, "duplicates", int64(len(msgs))-stored,
+		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", in.now().Sub(start))
+	return nil
+}
+
+func backoff(attempt int) time.Duration {
+	b := 100 * time.Millisecond
+	for i := 1; i < attempt && b < 5*time.Second; i++ {
+		b *= 2
+	}
+	return min(b, 5*time.Second)
+}
+
+func sleep(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}

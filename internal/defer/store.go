@@ -1,0 +1,115 @@
+package deferral
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	schedsql "github.com/deferq/scheduler/sql"
+)
+
+// Entry is one record of the defer topic ready to store: its offset, the
+// record itself, and what parsing it said.
+type Entry struct {
+	Offset   int64
+	Record   Record
+	Schedule Schedule
+	// Reject is set when the record cannot be scheduled; it is then stored as
+	// state 'rejected' with Reject.Error() as the reason.
+	Reject *RejectError
+}
+
+// Store writes batches of entries to deferred_message.
+type Store struct {
+	pool *pgxpool.Pool
+}
+
+// NewStore returns a Store on pool.
+func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
+
+// Insert stores the entries read from one partition in one statement (so in
+// one transaction) and returns how many were new. Entries stored before (the
+// same topic, partition and offset) are skipped: replaying a partition after a
+// crash or a rebalance stores nothing twice.
+func (s *Store) Insert(ctx context.Context, topic string, partition int32, entries []Entry) (int64, error) {
+	if len(entries) == 0 {
+		return 0, nil
+	}
+	n := len(entries)
+	var (
+		offsets   = make([]int64, n)
+		bizKeys   = make([]*string, n)
+		seqs      = make([]*int64, n)
+		targets   = make([]*string, n)
+		runAts    = make([]*time.Time, n)
+		delays    = make([]int64, n)
+		attempts  = make([]int32, n)
+		states    = make([]string, n)
+		reasons   = make([]*string, n)
+		classes   = make([]*string, n)
+		messages  = make([]*string, n)
+		origins   = make([]*int64, n)
+		keys      = make([][]byte, n)
+		values    = make([][]byte, n)
+		hRecord   []int32
+		hKeys     []string
+		hValues   [][]byte
+	)
+	for i := range entries {
+		e := &entries[i]
+		sc := &e.Schedule
+		offsets[i] = e.Offset
+		if sc.Ordered {
+			bizKeys[i] = &sc.BusinessKey
+		}
+		if sc.Seq > 0 {
+			seqs[i] = &sc.Seq
+		}
+		if sc.Target != "" {
+			targets[i] = &sc.Target
+		}
+		switch {
+		case e.Reject != nil:
+			// Rejected rows are never dispatched; next_run_at is ingest time.
+		case sc.HasAt:
+			runAts[i] = &sc.At
+		default:
+			delays[i] = sc.Delay.Microseconds()
+		}
+		attempts[i] = sc.Attempt
+		states[i] = "pending"
+		if e.Reject != nil {
+			states[i] = "rejected"
+			reason := e.Reject.Error()
+			reasons[i] = &reason
+		}
+		if sc.ErrorClass != "" {
+			classes[i] = &sc.ErrorClass
+		}
+		if sc.ErrorMessage != "" {
+			messages[i] = &sc.ErrorMessage
+		}
+		if sc.OriginID > 0 {
+			origins[i] = &sc.OriginID
+		}
+		keys[i] = e.Record.Key
+		values[i] = e.Record.Value
+		for _, h := range e.Record.Headers {
+			hRecord = append(hRecord, int32(i+1))
+			// A header key that is not text was rejected by Parse; it is still
+			// stored, in \x hex form, so nothing is lost.
+			hKeys = append(hKeys, Text(h.Key))
+			hValues = append(hValues, h.Value)
+		}
+	}
+	tag, err := s.pool.Exec(ctx, schedsql.IngestInsert, topic, partition,
+		offsets, bizKeys, seqs, targets, runAts, delays, attempts, states, reasons, classes, messages, origins,
+		keys, values, hRecord, hKeys, hValues)
+	if err != nil {
+		return 0, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
+			n, topic, partition, offsets[0], offsets[n-1], err)
+	}
+	return tag.RowsAffected(), nil
+}

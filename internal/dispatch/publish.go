@@ -1,0 +1,152 @@
+package dispatch
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/keylock"
+)
+
+// Producer is the part of sarama.SyncProducer dispatch uses.
+type Producer interface {
+	SendMessages(msgs []*sarama.ProducerMessage) error
+}
+
+// ProducerConfig returns base producer settings: idempotent, acks=all, one
+// request in flight (so retries cannot reorder a partition), the
+// Java-compatible murmur2 partitioner (a key lands on the partition the Java
+// client would pick), no topic auto-creation (an unknown target must fail,
+// not create a topic), and network timeouts short enough that a publish
+// finishes well inside a lease. Callers add brokers, TLS and SASL.
+func ProducerConfig(base *sarama.Config) *sarama.Config {
+	c := base
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Return.Successes = true
+	c.Producer.Return.Errors = true
+	c.Producer.Partitioner = sarama.NewMurmur2Partitioner
+	c.Producer.Retry.Max = 3
+	c.Producer.Retry.Backoff = 100 * time.Millisecond
+	// The broker waits up to Producer.Timeout for replicas; the read timeout
+	// must outlast it or a slow but successful produce looks failed.
+	c.Producer.Timeout = 4 * time.Second
+	c.Net.MaxOpenRequests = 1
+	c.Net.DialTimeout = 3 * time.Second
+	c.Net.ReadTimeout = 6 * time.Second
+	c.Net.WriteTimeout = 5 * time.Second
+	c.Metadata.AllowAutoTopicCreation = false
+	c.Metadata.Retry.Max = 2
+	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	return c
+}
+
+// MaxPublishDuration bounds how long one SendMessages call can take with the
+// settings of ProducerConfig: every attempt can wait for a dial, a write and
+// a read, plus the back-offs between attempts. A lease must be longer.
+func MaxPublishDuration(c *sarama.Config) time.Duration {
+	attempt := c.Net.DialTimeout + c.Net.WriteTimeout + c.Net.ReadTimeout
+	tries := time.Duration(c.Producer.Retry.Max + 1)
+	meta := time.Duration(c.Metadata.Retry.Max+1) * (attempt + c.Metadata.Retry.Backoff)
+	return tries*(attempt+c.Producer.Retry.Backoff) + meta
+}
+
+// Output headers the scheduler writes on every republished record.
+var scheduledHeaders = [...]string{
+	deferral.HeaderID, deferral.HeaderSeq, deferral.HeaderAttempt, deferral.HeaderScheduledAt,
+}
+
+// Record builds the republished record for m (DESIGN.md section 2): same key,
+// value and headers in the same order, except that defer.at and defer.delay
+// are removed (they are one-shot), defer.id, defer.seq, defer.attempt and
+// defer.scheduled-at are set (in place where the input had them, appended
+// otherwise; extra copies dropped), and defer.target is set to the row's
+// target, which differs from the header only after an operator edited it.
+func Record(m keylock.Message) *sarama.ProducerMessage {
+	values := [len(scheduledHeaders)][]byte{
+		[]byte(strconv.FormatInt(m.ID, 10)),
+		[]byte(strconv.FormatInt(m.Seq, 10)),
+		[]byte(strconv.FormatInt(int64(m.Attempt)+1, 10)),
+		[]byte(m.NextRunAt.UTC().Format(time.RFC3339Nano)),
+	}
+	var written [len(scheduledHeaders)]bool
+	out := make([]sarama.RecordHeader, 0, len(m.Headers)+len(scheduledHeaders))
+	for _, h := range m.Headers {
+		switch h.Key {
+		case deferral.HeaderAt, deferral.HeaderDelay:
+			continue
+		case deferral.HeaderTarget:
+			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: []byte(m.Target)})
+			continue
+		}
+		i := scheduledIndex(h.Key)
+		if i < 0 {
+			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
+			continue
+		}
+		if !written[i] {
+			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: values[i]})
+			written[i] = true
+		}
+	}
+	for i, name := range scheduledHeaders {
+		if !written[i] {
+			out = append(out, sarama.RecordHeader{Key: []byte(name), Value: values[i]})
+		}
+	}
+	pm := &sarama.ProducerMessage{Topic: m.Target, Headers: out}
+	// A nil key must stay nil (no key, random partition); an empty key is a
+	// key and hashes like one.
+	if m.Key != nil {
+		pm.Key = sarama.ByteEncoder(m.Key)
+	}
+	if m.Value != nil {
+		pm.Value = sarama.ByteEncoder(m.Value)
+	}
+	return pm
+}
+
+func scheduledIndex(key string) int {
+	for i, name := range scheduledHeaders {
+		if key == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// errorKind says what a failed publish means for the message.
+type errorKind int
+
+const (
+	// retriable: the broker or network may recover; keep it pending.
+	retriable errorKind = iota
+	// permanent: this message can never be published as it is; park it.
+	permanent
+)
+
+// classify sorts a publish error. Only errors that are about the message or
+// its target (and so will fail the same way every time) are permanent;
+// anything that could be the broker being away is retriable.
+func classify(err error) (errorKind, string) {
+	var code string
+	switch {
+	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
+		code = "unknown_topic"
+	case errors.Is(err, sarama.ErrInvalidTopic):
+		code = "invalid_topic"
+	case errors.Is(err, sarama.ErrTopicAuthorizationFailed):
+		code = "not_authorized"
+	case errors.Is(err, sarama.ErrMessageSizeTooLarge), errors.Is(err, sarama.ErrMessageSetSizeTooLarge):
+		code = "too_large"
+	case errors.Is(err, sarama.ErrInvalidRecord), errors.Is(err, sarama.ErrPolicyViolation):
+		code = "invalid_record"
+	default:
+		return retriable, "retriable"
+	}
+	return permanent, fmt.Sprintf("publish_failed: %s: %v", code, err)
+}

@@ -1,0 +1,252 @@
+package dispatch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverpgxv5"
+	"github.com/riverqueue/river/rivertype"
+
+	"github.com/deferq/scheduler/internal/keylock"
+)
+
+// River queues the service uses.
+const (
+	QueueDispatch    = "scheduler_dispatch"
+	QueueMaintenance = "scheduler_maintenance"
+)
+
+// LoopArgs is the River job that runs one dispatch loop slot for a bounded
+// time. Each run inserts its successor in the transaction that completes it,
+// so a slot is always either running or waiting to run; if the process
+// running it dies, River's rescuer retries it once its timeout has passed,
+// while the other slots keep claiming. This is deliberately not one job per
+// message: River's scheduled-job precision (5 s) and per-job overhead would
+// cap both lateness and throughput.
+type LoopArgs struct {
+	Slot int `json:"slot"`
+}
+
+// Kind implements river.JobArgs.
+func (LoopArgs) Kind() string { return "scheduler_dispatch_loop" }
+
+// InsertOpts makes slots unique: inserting a slot that is already waiting or
+// running does nothing, so every replica can ensure all slots at start-up.
+func (LoopArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{
+		Queue:       QueueDispatch,
+		MaxAttempts: 100,
+		UniqueOpts: river.UniqueOpts{
+			ByArgs: true,
+			// Not completed: the finishing run must not block its successor.
+			ByState: []rivertype.JobState{
+				rivertype.JobStateAvailable, rivertype.JobStatePending, rivertype.JobStateRunning,
+				rivertype.JobStateRetryable, rivertype.JobStateScheduled,
+			},
+		},
+	}
+}
+
+// MaintenanceArgs is the periodic housekeeping job: sweep expired leases and
+// re-create any loop slot that went missing (a run discarded after too many
+// failures, say).
+type MaintenanceArgs struct{}
+
+// Kind implements river.JobArgs.
+func (MaintenanceArgs) Kind() string { return "scheduler_maintenance" }
+
+// InsertOpts implements river.JobArgsWithInsertOpts.
+func (MaintenanceArgs) InsertOpts() river.InsertOpts {
+	return river.InsertOpts{Queue: QueueMaintenance, MaxAttempts: 3}
+}
+
+// RuntimeConfig configures the dispatch runtime.
+type RuntimeConfig struct {
+	// Instance names this process in leases and logs.
+	Instance string
+	// Loops is the number of loop slots shared by all replicas on the database.
+	Loops int
+	// Workers caps how many loops this process runs at once.
+	Workers int
+	// LoopDuration is how long one loop job runs before handing over to its
+	// successor.
+	LoopDuration time.Duration
+	// Lease is how long a claim holds its keys.
+	Lease time.Duration
+	// PerKey caps the messages of one key published per claim.
+	PerKey int
+	// MaintenanceInterval is how often housekeeping runs.
+	MaintenanceInterval time.Duration
+	// PollOnly makes River poll instead of LISTEN (PgBouncer transaction mode).
+	PollOnly bool
+	// Dispatch configures each loop.
+	Dispatch Config
+}
+
+// Runtime runs the dispatch loops and maintenance under River.
+type Runtime struct {
+	pool     *pgxpool.Pool
+	producer Producer
+	waker    *Waker
+	cfg      RuntimeConfig
+	logger   *slog.Logger
+	client   *river.Client[pgx.Tx]
+
+	stop     chan struct{}
+	stopOnce sync.Once
+
+	afterPublish func() error // test hook, see Dispatcher
+}
+
+// NewRuntime builds the River client with the dispatch and maintenance
+// workers. waker may be nil (poll only).
+func NewRuntime(pool *pgxpool.Pool, producer Producer, waker *Waker, cfg RuntimeConfig, logger *slog.Logger) (*Runtime, error) {
+	switch {
+	case cfg.Loops < 1:
+		return nil, fmt.Errorf("dispatch: %d loops, need at least 1", cfg.Loops)
+	case cfg.Workers < 1:
+		return nil, fmt.Errorf("dispatch: %d workers, need at least 1", cfg.Workers)
+	case cfg.LoopDuration <= 0:
+		return nil, fmt.Errorf("dispatch: loop duration %v must be positive", cfg.LoopDuration)
+	case cfg.MaintenanceInterval <= 0:
+		return nil, fmt.Errorf("dispatch: maintenance interval %v must be positive", cfg.MaintenanceInterval)
+	}
+	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger, stop: make(chan struct{})}
+
+	workers := river.NewWorkers()
+	if err := river.AddWorkerSafely(workers, &loopWorker{rt: rt}); err != nil {
+		return nil, fmt.Errorf("register dispatch loop worker: %w", err)
+	}
+	if err := river.AddWorkerSafely(workers, &maintenanceWorker{rt: rt}); err != nil {
+		return nil, fmt.Errorf("register maintenance worker: %w", err)
+	}
+	client, err := river.NewClient(riverpgxv5.New(pool), &river.Config{
+		Queues: map[string]river.QueueConfig{
+			QueueDispatch:    {MaxWorkers: cfg.Workers},
+			QueueMaintenance: {MaxWorkers: 1},
+		},
+		Workers: workers,
+		PeriodicJobs: []*river.PeriodicJob{
+			river.NewPeriodicJob(river.PeriodicInterval(cfg.MaintenanceInterval),
+				func() (river.JobArgs, *river.InsertOpts) { return MaintenanceArgs{}, nil },
+				&river.PeriodicJobOpts{RunOnStart: true}),
+		},
+		// A loop whose process died is retried once it has been running
+		// longer than any live loop can.
+		RescueStuckJobsAfter:        rt.loopTimeout() + 15*time.Second,
+		CompletedJobRetentionPeriod: time.Hour,
+		FetchCooldown:               20 * time.Millisecond,
+		PollOnly:                    cfg.PollOnly,
+		Logger:                      logger.With("component", "river"),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("river client: %w", err)
+	}
+	rt.client = client
+	return rt, nil
+}
+
+func (rt *Runtime) loopTimeout() time.Duration {
+	return rt.cfg.LoopDuration + rt.cfg.Lease + 15*time.Second
+}
+
+// Start starts River and makes sure every loop slot exists.
+func (rt *Runtime) Start(ctx context.Context) error {
+	if err := rt.client.Start(ctx); err != nil {
+		return fmt.Errorf("start river: %w", err)
+	}
+	return rt.EnsureLoops(ctx)
+}
+
+// EnsureLoops inserts the loop slots that do not exist yet.
+func (rt *Runtime) EnsureLoops(ctx context.Context) error {
+	params := make([]river.InsertManyParams, rt.cfg.Loops)
+	for i := range params {
+		params[i] = river.InsertManyParams{Args: LoopArgs{Slot: i}}
+	}
+	if _, err := rt.client.InsertMany(ctx, params); err != nil {
+		return fmt.Errorf("ensure %d dispatch loops: %w", rt.cfg.Loops, err)
+	}
+	return nil
+}
+
+// Stop ends the loops after their current round (each hands over to a
+// successor that another replica, or the next start, picks up) and stops
+// River, waiting until ctx is done at most.
+func (rt *Runtime) Stop(ctx context.Context) error {
+	rt.stopOnce.Do(func() { close(rt.stop) })
+	if err := rt.client.Stop(ctx); err != nil {
+		return fmt.Errorf("stop river: %w", err)
+	}
+	return nil
+}
+
+type loopWorker struct {
+	river.WorkerDefaults[LoopArgs]
+	rt *Runtime
+}
+
+func (w *loopWorker) Timeout(*river.Job[LoopArgs]) time.Duration { return w.rt.loopTimeout() }
+
+// NextRetry retries a failed loop soon: a loop is the service, not a task
+// that benefits from long back-offs.
+func (w *loopWorker) NextRetry(*river.Job[LoopArgs]) time.Time { return time.Now().Add(time.Second) }
+
+func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
+	rt := w.rt
+	locker, err := keylock.New(rt.pool, keylock.Config{
+		Owner:  fmt.Sprintf("%s/loop-%d/job-%d", rt.cfg.Instance, job.Args.Slot, job.ID),
+		Lease:  rt.cfg.Lease,
+		PerKey: rt.cfg.PerKey,
+	})
+	if err != nil {
+		return err
+	}
+	var wake <-chan struct{}
+	if rt.waker != nil {
+		ch, unsubscribe := rt.waker.Subscribe()
+		defer unsubscribe()
+		wake = ch
+	}
+	d, err := New(locker, rt.producer, wake, rt.cfg.Dispatch, rt.logger.With("loop", job.Args.Slot))
+	if err != nil {
+		return err
+	}
+	d.afterPublish = rt.afterPublish
+	if err := d.Run(ctx, time.Now().Add(rt.cfg.LoopDuration), rt.stop); err != nil {
+		return err
+	}
+
+	// Hand over even while shutting down, so another replica continues.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	return pgx.BeginFunc(ctx, rt.pool, func(tx pgx.Tx) error {
+		if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job); err != nil {
+			return fmt.Errorf("complete dispatch loop %d: %w", job.Args.Slot, err)
+		}
+		if _, err := rt.client.InsertTx(ctx, tx, LoopArgs{Slot: job.Args.Slot}, nil); err != nil {
+			return fmt.Errorf("insert successor of dispatch loop %d: %w", job.Args.Slot, err)
+		}
+		return nil
+	})
+}
+
+type maintenanceWorker struct {
+	river.WorkerDefaults[MaintenanceArgs]
+	rt *Runtime
+}
+
+func (w *maintenanceWorker) Work(ctx context.Context, _ *river.Job[MaintenanceArgs]) error {
+	swept, err := keylock.SweepExpired(ctx, w.rt.pool)
+	if swept > 0 {
+		w.rt.logger.Info("released expired leases", "keys", swept)
+	}
+	return errors.Join(err, w.rt.EnsureLoops(ctx))
+}

@@ -1,0 +1,242 @@
+// Package keylock is the per-key head and lease model behind the ordering
+// guarantee: for one business key, messages are republished in seq order.
+//
+// The database keeps one row per business key in deferred_key, holding the
+// key's head (its pending message with the lowest seq) and a lease. Triggers
+// on deferred_message keep the heads true for every statement, including an
+// operator's plain SQL, so this package only claims and releases leases:
+//
+//  1. Claim leases due heads nobody holds (FOR UPDATE SKIP LOCKED, committed at
+//     once) and reads each key's run of consecutive due messages.
+//  2. The caller publishes, outside any transaction.
+//  3. Finalize, in one implicit transaction, deletes what was published, parks
+//     what was refused for good, and gives the keys back (after a back-off for
+//     keys that failed retriably).
+//
+// Two holders never share a key: a lease is only taken when free or expired.
+// A holder that dies between publish and finalize loses nothing: its lease
+// expires and the key is claimed again (at-least-once, same defer.id).
+package keylock
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	schedsql "github.com/deferq/scheduler/sql"
+)
+
+// Header is one Kafka record header as stored.
+type Header struct {
+	Key   string
+	Value []byte
+}
+
+// Message is a pending message read by a claim.
+type Message struct {
+	ID        int64
+	Seq       int64
+	Target    string
+	NextRunAt time.Time
+	Attempt   int32
+	Key       []byte // nil: the record had no key
+	Value     []byte // nil: a tombstone
+	Headers   []Header
+}
+
+// Claim is one leased key with its due messages in order.
+type Claim struct {
+	BusinessKey string // valid when Ordered
+	Ordered     bool
+	HeadID      int64 // the head when claimed; identifies an unordered head
+	Messages    []Message
+}
+
+// Park is a message to move to the parking lot.
+type Park struct {
+	ID     int64
+	Reason string
+}
+
+// Outcome is what happened to the messages of a set of claims.
+type Outcome struct {
+	Published []int64 // acknowledged by the broker
+	Parked    []Park  // refused for good
+	// Retry lists claims that hit a retriable error: their keys stay blocked
+	// until the back-off passes, then any holder may take them again.
+	Retry []Claim
+	// Backoff is how long keys in Retry stay blocked.
+	Backoff time.Duration
+}
+
+// Locker claims and releases keys for one holder.
+type Locker struct {
+	pool   *pgxpool.Pool
+	owner  string
+	lease  time.Duration
+	perKey int
+}
+
+// Config configures a Locker.
+type Config struct {
+	// Owner names the holder in deferred_key.leased_by; unique per dispatch
+	// loop so that a late finalize cannot release someone else's lease.
+	Owner string
+	// Lease is how long a claim holds its keys. It must exceed the longest
+	// publish, or a slow publish could overlap a second holder's.
+	Lease time.Duration
+	// PerKey caps the messages read for one key per claim.
+	PerKey int
+}
+
+// New returns a Locker.
+func New(pool *pgxpool.Pool, cfg Config) (*Locker, error) {
+	switch {
+	case cfg.Owner == "":
+		return nil, errors.New("keylock: owner is empty")
+	case cfg.Lease <= 0:
+		return nil, fmt.Errorf("keylock: lease %v must be positive", cfg.Lease)
+	case cfg.PerKey < 1:
+		return nil, fmt.Errorf("keylock: per-key batch %d must be at least 1", cfg.PerKey)
+	}
+	return &Locker{pool: pool, owner: cfg.Owner, lease: cfg.Lease, perKey: cfg.PerKey}, nil
+}
+
+// Owner returns the name leases are taken under.
+func (l *Locker) Owner() string { return l.owner }
+
+// Claim leases up to maxKeys due keys and returns them with their due
+// messages. A claimed key whose messages vanished (an operator changed them
+// after the head was read) is released at once and not returned.
+func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
+	rows, err := l.pool.Query(ctx, schedsql.DispatchClaim, maxKeys, l.lease, l.perKey, l.owner)
+	if err != nil {
+		return nil, fmt.Errorf("claim due keys: %w", err)
+	}
+	defer rows.Close()
+
+	var claims, empty []Claim
+	for rows.Next() {
+		var (
+			businessKey *string
+			headID      int64
+			id, seq     *int64
+			target      *string
+			nextRunAt   *time.Time
+			attempt     *int32
+			key, value  []byte
+			hkeys       []string
+			hvals       [][]byte
+		)
+		if err := rows.Scan(&businessKey, &headID, &id, &seq, &target, &nextRunAt, &attempt,
+			&key, &value, &hkeys, &hvals); err != nil {
+			return nil, fmt.Errorf("read claimed message: %w", err)
+		}
+		c := Claim{HeadID: headID, Ordered: businessKey != nil}
+		if businessKey != nil {
+			c.BusinessKey = *businessKey
+		}
+		if id == nil {
+			empty = append(empty, c)
+			continue
+		}
+		if n := len(claims); n == 0 || !sameClaim(claims[n-1], c) {
+			claims = append(claims, c)
+		}
+		m := Message{ID: *id, Seq: *seq, Target: *target, NextRunAt: *nextRunAt, Attempt: *attempt,
+			Key: key, Value: value, Headers: make([]Header, len(hkeys))}
+		for i := range hkeys {
+			m.Headers[i] = Header{Key: hkeys[i], Value: hvals[i]}
+		}
+		last := &claims[len(claims)-1]
+		last.Messages = append(last.Messages, m)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("claim due keys: %w", err)
+	}
+	if len(empty) > 0 {
+		if err := l.Finalize(ctx, empty, Outcome{}); err != nil {
+			return nil, err
+		}
+	}
+	return claims, nil
+}
+
+func sameClaim(a, b Claim) bool {
+	if a.Ordered != b.Ordered {
+		return false
+	}
+	if a.Ordered {
+		return a.BusinessKey == b.BusinessKey
+	}
+	return a.HeadID == b.HeadID
+}
+
+// Finalize records the outcome of publishing claims and releases their keys,
+// all in one implicit transaction (one pipelined round trip). Leases that are
+// no longer ours (expired and taken by another holder) are left alone.
+func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) error {
+	var keys, retryKeys []string
+	var heads, retryHeads []int64
+	for _, c := range claims {
+		if c.Ordered {
+			keys = append(keys, c.BusinessKey)
+		} else {
+			heads = append(heads, c.HeadID)
+		}
+	}
+	for _, c := range out.Retry {
+		if c.Ordered {
+			retryKeys = append(retryKeys, c.BusinessKey)
+		} else {
+			retryHeads = append(retryHeads, c.HeadID)
+		}
+	}
+	parkIDs := make([]int64, len(out.Parked))
+	parkReasons := make([]string, len(out.Parked))
+	for i, p := range out.Parked {
+		parkIDs[i], parkReasons[i] = p.ID, p.Reason
+	}
+
+	b := &pgx.Batch{}
+	if len(out.Published) > 0 {
+		b.Queue(schedsql.DispatchDelete, out.Published)
+	}
+	if len(parkIDs) > 0 {
+		b.Queue(schedsql.DispatchPark, parkIDs, parkReasons)
+	}
+	b.Queue(schedsql.DispatchRelease, keys, heads, l.owner, retryKeys, out.Backoff, retryHeads)
+	if err := l.pool.SendBatch(ctx, b).Close(); err != nil {
+		return fmt.Errorf("finalize %d keys (%d published, %d parked): %w",
+			len(claims), len(out.Published), len(parkIDs), err)
+	}
+	return nil
+}
+
+// NextDue returns how long until the earliest head that nobody holds is due
+// (0 if due now), and false when nothing is pending.
+func (l *Locker) NextDue(ctx context.Context) (time.Duration, bool, error) {
+	var secs float64
+	err := l.pool.QueryRow(ctx, schedsql.DispatchNextDue).Scan(&secs)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return 0, false, nil
+	}
+	if err != nil {
+		return 0, false, fmt.Errorf("read next due time: %w", err)
+	}
+	return time.Duration(secs * float64(time.Second)), true, nil
+}
+
+// SweepExpired clears leases that expired, returning how many. Claims do not
+// depend on it; it keeps leased_by truthful for operators.
+func SweepExpired(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	tag, err := pool.Exec(ctx, schedsql.LeaseSweep)
+	if err != nil {
+		return 0, fmt.Errorf("sweep expired leases: %w", err)
+	}
+	return tag.RowsAffected(), nil
+}

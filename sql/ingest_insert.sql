@@ -1,0 +1,29 @@
+-- Store one batch of records read from one partition of the defer topic.
+-- Every parameter from $3 on is an array with one element per record, except
+-- the header arrays, which list every header of the batch in order, each with
+-- the 1-based position of its record in $17. A record already stored (same
+-- topic, partition and offset) is skipped, which makes ingest idempotent.
+-- next_run_at comes from $7 when set, else now() plus the delay in $8, so that
+-- delays count from the database clock the dispatcher also uses.
+WITH headers AS (
+    SELECT h.record, array_agg(h.key ORDER BY h.position) AS keys, array_agg(h.value ORDER BY h.position) AS vals
+    FROM unnest($17::int[], $18::text[], $19::bytea[]) WITH ORDINALITY AS h (record, key, value, position)
+    GROUP BY h.record
+)
+INSERT INTO deferred_message (
+    source_topic, source_partition, source_offset, business_key, seq, target_topic,
+    next_run_at, attempt, state, reason, error_class, error_message, origin_id,
+    key, value, header_keys, header_values)
+SELECT $1::text, $2::int, r.source_offset, r.business_key, coalesce(r.seq, nextval('deferred_message_seq')), r.target_topic,
+       coalesce(r.run_at, now() + r.delay_us * interval '1 microsecond'), r.attempt, r.state, r.reason,
+       r.error_class, r.error_message, r.origin_id,
+       r.key, r.value, coalesce(h.keys, '{}'), coalesce(h.vals, '{}')
+FROM unnest($3::bigint[], $4::text[], $5::bigint[], $6::text[], $7::timestamptz[], $8::bigint[], $9::int[],
+            $10::text[], $11::text[], $12::text[], $13::text[], $14::bigint[], $15::bytea[], $16::bytea[])
+     WITH ORDINALITY AS r (source_offset, business_key, seq, target_topic, run_at, delay_us, attempt,
+                           state, reason, error_class, error_message, origin_id, key, value, record)
+LEFT JOIN headers h ON h.record = r.record
+-- Sorting first makes nextval hand out seq in offset order (Postgres evaluates
+-- volatile output expressions after the sort).
+ORDER BY r.record
+ON CONFLICT (source_topic, source_partition, source_offset) DO NOTHING

@@ -1,0 +1,28 @@
+// Package sql holds the SQL the service runs, one statement per file, embedded
+// into the binary. Keeping statements in .sql files lets operators and
+// reviewers read exactly what runs, and lets tests execute each file as is.
+//
+// The operator runbook (statements people run by hand with psql) lives in
+// runbook/; it is not run by the service but is exercised by tests.
+package sql
+
+import _ "embed"
+
+// Statements the service runs. Each file starts with a comment that documents
+// its parameters.
+var (
+	//go:embed ingest_insert.sql
+	IngestInsert string
+	//go:embed dispatch_claim.sql
+	DispatchClaim string
+	//go:embed dispatch_delete.sql
+	DispatchDelete string
+	//go:embed dispatch_park.sql
+	DispatchPark string
+	//go:embed dispatch_release.sql
+	DispatchRelease string
+	//go:embed dispatch_next_due.sql
+	DispatchNextDue string
+	//go:embed lease_sweep.sql
+	LeaseSweep string
+)
