@@ -23,12 +23,12 @@ import (
 // in every error about the variable. The README's table lists the same
 // variables with the same defaults (a test checks that).
 type config struct {
-	DatabaseURL   string   `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate)"`
-	KafkaBrokers  []string `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
-	DeferTopic    string   `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
-	ConsumerGroup string   `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
-	TargetTopics  string   `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
-	HTTPAddr      string   `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz and /metrics"`
+	DatabaseURL   string        `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate)"`
+	KafkaBrokers  []string      `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
+	DeferTopic    string        `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
+	ConsumerGroup string        `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
+	TargetTopics  string        `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
+	HTTPAddr      string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz and /metrics"`
 	MaxDelay      time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
 
 	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records written per insert (per partition)"`

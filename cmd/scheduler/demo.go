@@ -348,4 +348,3 @@ func (d *demo) table(ctx context.Context, pool *pgxpool.Pool, query string) erro
 	}
 	return tw.Flush()
 }
-

@@ -39,23 +39,23 @@ func (s *Store) Insert(ctx context.Context, topic string, partition int32, entri
 	}
 	n := len(entries)
 	var (
-		offsets   = make([]int64, n)
-		bizKeys   = make([]*string, n)
-		seqs      = make([]*int64, n)
-		targets   = make([]*string, n)
-		runAts    = make([]*time.Time, n)
-		delays    = make([]int64, n)
-		attempts  = make([]int32, n)
-		states    = make([]string, n)
-		reasons   = make([]*string, n)
-		classes   = make([]*string, n)
-		messages  = make([]*string, n)
-		origins   = make([]*int64, n)
-		keys      = make([][]byte, n)
-		values    = make([][]byte, n)
-		hRecord   []int32
-		hKeys     []string
-		hValues   [][]byte
+		offsets  = make([]int64, n)
+		bizKeys  = make([]*string, n)
+		seqs     = make([]*int64, n)
+		targets  = make([]*string, n)
+		runAts   = make([]*time.Time, n)
+		delays   = make([]int64, n)
+		attempts = make([]int32, n)
+		states   = make([]string, n)
+		reasons  = make([]*string, n)
+		classes  = make([]*string, n)
+		messages = make([]*string, n)
+		origins  = make([]*int64, n)
+		keys     = make([][]byte, n)
+		values   = make([][]byte, n)
+		hRecord  []int32
+		hKeys    []string
+		hValues  [][]byte
 	)
 	for i := range entries {
 		e := &entries[i]
