@@ -270,28 +270,30 @@ func consumeAll(ctx context.Context, addr, topic string, out chan<- *sarama.Cons
 		consumer.Close()
 		return fmt.Errorf("partitions of %s: %w", topic, err)
 	}
+	var pcs []sarama.PartitionConsumer
 	for _, p := range parts {
 		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
 		if err != nil {
 			consumer.Close()
 			return fmt.Errorf("consume %s/%d: %w", topic, p, err)
 		}
+		pcs = append(pcs, pc)
 		go func() {
-			for {
+			for m := range pc.Messages() {
 				select {
-				case m := <-pc.Messages():
-					select {
-					case out <- m:
-					case <-ctx.Done():
-						return
-					}
+				case out <- m:
 				case <-ctx.Done():
-					return
 				}
 			}
 		}()
 	}
-	context.AfterFunc(ctx, func() { consumer.Close() })
+	context.AfterFunc(ctx, func() {
+		// sarama wants partition consumers closed before their consumer.
+		for _, pc := range pcs {
+			pc.Close()
+		}
+		consumer.Close()
+	})
 	return nil
 }
 

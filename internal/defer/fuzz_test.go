@@ -1,6 +1,8 @@
 package deferral
 
 import (
+	"bytes"
+	"encoding/hex"
 	"errors"
 	"math"
 	"regexp"
@@ -8,6 +10,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 // Bits of FuzzParse's present argument: which headers the record has, and
@@ -183,8 +186,8 @@ func referenceDelay(s string) (time.Duration, bool) {
 	return d, err == nil && d >= 0
 }
 
-// FuzzParseDelay checks parseDelay against referenceDelay.
-func FuzzParseDelay(f *testing.F) {
+// FuzzDelay checks parseDelay against referenceDelay.
+func FuzzDelay(f *testing.F) {
 	for _, s := range []string{"", "0", "2500", "30s", "1500ms", "1h30m", "-0s", "+5s", "1.5h", "5us", "5µs",
 		"9223372036854775807ns", "9223372036854775808ns", "9223372036854ms", "9223372036855", "2562047h", "2562048h"} {
 		f.Add(s)
@@ -198,8 +201,8 @@ func FuzzParseDelay(f *testing.F) {
 	})
 }
 
-// FuzzParseRFC3339 checks parseRFC3339 against time.Parse.
-func FuzzParseRFC3339(f *testing.F) {
+// FuzzRFC3339 checks parseRFC3339 against time.Parse.
+func FuzzRFC3339(f *testing.F) {
 	for _, s := range []string{"2026-06-01T13:00:00Z", "2026-06-01T18:30:00.123+05:30", "2028-02-29T00:00:00-00:00",
 		"2027-02-29T00:00:00Z", "0000-01-01T00:00:00.000000000001z", "9999-12-31T23:59:59-23:59", "2026-06-01T13:00:00,5Z"} {
 		f.Add(s)
@@ -233,4 +236,30 @@ func offsetBeyondRFC(s string) bool {
 		return s[n-5:n-3] == "24" || s[n-2:] == "60"
 	}
 	return false
+}
+
+// FuzzText checks Text and textProblem against their definitions.
+func FuzzText(f *testing.F) {
+	for _, s := range []string{"", "order-1", "héllo", "\xff", "a\x00b", "aaaaaaa\x00", "aaaaaaaa\x80", `\xff`} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		text := utf8.Valid(b) && !bytes.Contains(b, []byte{0})
+		if (textProblem(b) == "") != text {
+			t.Errorf("textProblem(%q) = %q, want text %v", b, textProblem(b), text)
+		}
+		s := Text(b)
+		if !isText([]byte(s)) || len(s) != textLen(b) {
+			t.Errorf("Text(%q) = %q: not text, or textLen %d", b, s, textLen(b))
+		}
+		if text {
+			if s != string(b) {
+				t.Errorf("Text(%q) = %q, want it unchanged", b, s)
+			}
+			return
+		}
+		if d, err := hex.DecodeString(strings.TrimPrefix(s, `\x`)); err != nil || !bytes.Equal(d, b) || !strings.HasPrefix(s, `\x`) {
+			t.Errorf("Text(%q) = %q, which does not decode back: %v", b, s, err)
+		}
+	})
 }

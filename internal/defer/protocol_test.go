@@ -1,6 +1,7 @@
 package deferral
 
 import (
+	"bytes"
 	"errors"
 	"math"
 	"path"
@@ -8,6 +9,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 )
 
 // testNow is the ingest time of every test record.
@@ -815,6 +817,23 @@ func TestText(t *testing.T) {
 		}
 		if got := textLen(tt.in); got != len(tt.want) {
 			t.Errorf("textLen(%q) = %d, want %d", tt.in, got, len(tt.want))
+		}
+	}
+}
+
+// TestTextProblem puts each kind of byte at each position around the
+// eight-byte words textProblem reads, and compares it with the definition.
+func TestTextProblem(t *testing.T) {
+	for n := 0; n <= 20; n++ {
+		for pos := 0; pos < n; pos++ {
+			for _, ins := range []string{"\x00", "\x01", "\x7f", "\x80", "\xff", "é", "✓", "\xed\xa0\x80"} {
+				b := []byte(strings.Repeat("a", pos) + ins + strings.Repeat("b", n-pos))
+				b = append(b, "\x00"[:n%2]...) // a trailing NUL on odd lengths
+				want := utf8.Valid(b) && !bytes.Contains(b, []byte{0})
+				if got := textProblem(b) == ""; got != want {
+					t.Errorf("textProblem(%q) = %q, want text %v", b, textProblem(b), want)
+				}
+			}
 		}
 	}
 }

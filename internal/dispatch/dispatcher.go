@@ -45,6 +45,10 @@ type Dispatcher struct {
 	logger   *slog.Logger
 	now      func() time.Time
 
+	// failures counts consecutive rounds that failed or backed off; it
+	// lengthens both the loop's sleep and the keys' back-off.
+	failures int
+
 	// afterPublish, when set (tests), runs between publish and finalize; an
 	// error stops the round there, as a crash would.
 	afterPublish func() error
@@ -72,21 +76,20 @@ var errCrashed = errors.New("dispatch: stopped between publish and finalize")
 // because one failed round (a database blip, a broker restart) must not end
 // the loop.
 func (d *Dispatcher) Run(ctx context.Context, until time.Time, stop <-chan struct{}) error {
-	var failures int
 	for ctx.Err() == nil && d.now().Before(until) && !closed(stop) {
 		st, err := d.Round(ctx)
 		if errors.Is(err, errCrashed) {
 			return err
 		}
 		if err != nil || st.Retry > 0 {
-			failures++
+			d.failures++
 			if err != nil && ctx.Err() == nil {
-				d.logger.Warn("dispatch round failed", "error", err, "consecutive", failures)
+				d.logger.Warn("dispatch round failed", "error", err, "consecutive", d.failures)
 			}
-			d.sleep(ctx, until, stop, backoff(failures, d.cfg.MaxBackoff), false)
+			d.sleep(ctx, until, stop, backoff(d.failures, d.cfg.MaxBackoff), false)
 			continue
 		}
-		failures = 0
+		d.failures = 0
 		if st.Keys >= d.cfg.BatchKeys {
 			continue // a full batch: more is probably due
 		}
@@ -213,7 +216,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 		}
 	}
 
-	out := keylock.Outcome{Backoff: backoff(1, d.cfg.MaxBackoff)}
+	out := keylock.Outcome{Backoff: backoff(d.failures+1, d.cfg.MaxBackoff)}
 	for _, b := range batches {
 		out.Parked = append(out.Parked, b.parks...)
 		var lastErr error

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -134,7 +135,11 @@ const (
 // anything that could be the broker being away is retriable.
 func classify(err error) (errorKind, string) {
 	var code string
+	var cfgErr sarama.ConfigurationError
 	switch {
+	case errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"):
+		// sarama checks the size before sending and reports it this way.
+		code = "too_large"
 	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
 		code = "unknown_topic"
 	case errors.Is(err, sarama.ErrInvalidTopic):

@@ -1,0 +1,387 @@
+package dispatch
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kmsg"
+
+	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/keylock"
+)
+
+func TestRecordHeaders(t *testing.T) {
+	due := time.Date(2026, 11, 21, 10, 0, 0, 123456000, time.UTC)
+	h := func(k, v string) keylock.Header { return keylock.Header{Key: k, Value: []byte(v)} }
+	type hv struct{ k, v string }
+	tests := []struct {
+		name string
+		in   []keylock.Header
+		want []hv
+	}{
+		{
+			name: "one-shot headers removed, scheduler headers appended, others kept in order",
+			in: []keylock.Header{h("trace", "t1"), h("defer.target", "orders.retry"), h("defer.delay", "30s"),
+				h("defer.at", "2026-11-21T10:00:00Z"), h("dup", "a"), h("dup", "b"), h("defer.key", "k")},
+			want: []hv{{"trace", "t1"}, {"defer.target", "orders.retry"}, {"dup", "a"}, {"dup", "b"}, {"defer.key", "k"},
+				{"defer.id", "42"}, {"defer.seq", "7"}, {"defer.attempt", "3"}, {"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
+		},
+		{
+			name: "scheduler headers replaced in place, extra copies dropped",
+			in: []keylock.Header{h("defer.attempt", "1"), h("x", "y"), h("defer.id", "9"), h("defer.seq", "7"),
+				h("defer.attempt", "5"), h("defer.scheduled-at", "old")},
+			want: []hv{{"defer.attempt", "3"}, {"x", "y"}, {"defer.id", "42"}, {"defer.seq", "7"},
+				{"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
+		},
+		{
+			name: "no headers",
+			want: []hv{{"defer.id", "42"}, {"defer.seq", "7"}, {"defer.attempt", "3"}, {"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
+		},
+		{
+			name: "target header follows the row after an operator edit",
+			in:   []keylock.Header{h("defer.target", "old.topic")},
+			want: []hv{{"defer.target", "orders.retry"}, {"defer.id", "42"}, {"defer.seq", "7"}, {"defer.attempt", "3"},
+				{"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pm := Record(keylock.Message{ID: 42, Seq: 7, Attempt: 2, Target: "orders.retry", NextRunAt: due, Headers: tt.in})
+			var got []hv
+			for _, rh := range pm.Headers {
+				got = append(got, hv{string(rh.Key), string(rh.Value)})
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Fatalf("headers\n got %v\nwant %v", got, tt.want)
+			}
+		})
+	}
+
+	t.Run("binary values, nil key and nil value kept", func(t *testing.T) {
+		bin := []byte{0xff, 0x00, 0xfe}
+		pm := Record(keylock.Message{ID: 1, Target: "t", Headers: []keylock.Header{{Key: "b", Value: bin}, {Key: "n", Value: nil}}})
+		if pm.Key != nil || pm.Value != nil {
+			t.Fatalf("nil key/value must stay nil, got %v / %v", pm.Key, pm.Value)
+		}
+		if !bytes.Equal(pm.Headers[0].Value, bin) || pm.Headers[1].Value != nil {
+			t.Fatalf("header values changed: %v", pm.Headers[:2])
+		}
+		pm = Record(keylock.Message{ID: 1, Target: "t", Key: []byte{}, Value: []byte{}})
+		if pm.Key == nil || pm.Value == nil {
+			t.Fatal("empty key/value must stay empty, not become nil")
+		}
+	})
+}
+
+func TestClassify(t *testing.T) {
+	tests := []struct {
+		err  error
+		kind errorKind
+		code string
+	}{
+		{sarama.ErrUnknownTopicOrPartition, permanent, "unknown_topic"},
+		{sarama.ErrTopicAuthorizationFailed, permanent, "not_authorized"},
+		{sarama.ErrMessageSizeTooLarge, permanent, "too_large"},
+		{sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 2 > 1"), permanent, "too_large"},
+		{sarama.ConfigurationError("something else"), retriable, ""},
+		{sarama.ErrInvalidTopic, permanent, "invalid_topic"},
+		{fmt.Errorf("wrapped: %w", sarama.ErrMessageSizeTooLarge), permanent, "too_large"},
+		{sarama.ErrNotLeaderForPartition, retriable, ""},
+		{sarama.ErrOutOfBrokers, retriable, ""},
+		{errors.New("connection refused"), retriable, ""},
+	}
+	for _, tt := range tests {
+		kind, reason := classify(tt.err)
+		if kind != tt.kind || (tt.code != "" && !strings.Contains(reason, tt.code)) {
+			t.Errorf("classify(%v) = %v %q, want %v containing %q", tt.err, kind, reason, tt.kind, tt.code)
+		}
+	}
+}
+
+// Later messages of a key that are due earlier still go out after the
+// earlier ones, with the output headers, on the key's partition.
+func TestRoundPublishesInKeyOrder(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	var rows []msg
+	const keys, perKey = 20, 5
+	for k := range keys {
+		for i := range perKey {
+			// Message i is due earlier than message i-1.
+			rows = append(rows, msg{key: str(fmt.Sprintf("order-%d", k)), target: topicA,
+				in: -time.Duration(i) * time.Second, recKey: []byte(fmt.Sprintf("order-%d", k)),
+				value: []byte(strconv.Itoa(i)), hkeys: []string{"defer.target", "defer.delay", "trace"},
+				hvals: [][]byte{[]byte(topicA), []byte("1s"), {0xff, 0x01}}})
+		}
+	}
+	ids := e.insert(rows...)
+	d := e.dispatcher("t1", time.Minute, allowAll)
+	e.drain(d, 10*time.Second)
+	got := col.wait(t, keys*perKey, 5*time.Second)
+	mustEqual(t, "rows left", e.count("true"), 0)
+
+	next := map[string]int{}
+	partition := map[string]int32{}
+	for _, m := range got {
+		k := string(m.Key)
+		mustEqual(t, "value of "+k, string(m.Value), strconv.Itoa(next[k]))
+		next[k]++
+		if p, ok := partition[k]; ok && p != m.Partition {
+			t.Fatalf("key %s on partitions %d and %d", k, p, m.Partition)
+		}
+		partition[k] = m.Partition
+		if hdr(m, "defer.delay") != "" {
+			t.Fatal("defer.delay must not be republished")
+		}
+		if !bytes.Equal([]byte(hdr(m, "trace")), []byte{0xff, 0x01}) {
+			t.Fatalf("binary header changed: %q", hdr(m, "trace"))
+		}
+		mustEqual(t, "defer.attempt", hdr(m, "defer.attempt"), "1")
+		if _, err := time.Parse(time.RFC3339Nano, hdr(m, "defer.scheduled-at")); err != nil {
+			t.Fatalf("defer.scheduled-at: %v", err)
+		}
+	}
+	// defer.id is the row id; the partition is the Java client's murmur2 pick.
+	first := got[0]
+	id, _ := strconv.ParseInt(hdr(first, "defer.id"), 10, 64)
+	if !slices.Contains(ids, id) {
+		t.Fatalf("defer.id %d is not a row id", id)
+	}
+	want, _ := sarama.NewMurmur2Partitioner(topicA).Partition(&sarama.ProducerMessage{Key: sarama.ByteEncoder(first.Key)}, 4)
+	mustEqual(t, "partition of "+string(first.Key), first.Partition, want)
+}
+
+// A target that does not exist parks only the messages sent to it.
+func TestUnknownTargetParksOnlyThatMessage(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	e.insert(
+		msg{key: str("a"), target: topicA, recKey: []byte("a"), value: []byte("a1")},
+		msg{key: str("b"), target: "orders.nosuchtopic", recKey: []byte("b"), value: []byte("b1")},
+		msg{key: str("b"), target: topicA, recKey: []byte("b"), value: []byte("b2")},
+		msg{key: str("c"), target: topicA, recKey: []byte("c"), value: []byte("c1")},
+	)
+	d := e.dispatcher("t1", time.Minute, allowAll)
+	e.drain(d, 20*time.Second)
+	got := col.wait(t, 3, 5*time.Second)
+	var values []string
+	for _, m := range got {
+		values = append(values, string(m.Value))
+	}
+	slices.Sort(values)
+	mustEqual(t, "published", strings.Join(values, ","), "a1,b2,c1")
+	var state, reason string
+	if err := e.pool.QueryRow(context.Background(),
+		"SELECT state, reason FROM deferred_message WHERE target_topic = 'orders.nosuchtopic'").Scan(&state, &reason); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "state", state, "parked")
+	if !strings.Contains(reason, "unknown_topic") {
+		t.Fatalf("reason %q does not say unknown_topic", reason)
+	}
+}
+
+// An operator may point a row at any topic in SQL; dispatch checks the
+// allow-list again and parks instead of publishing outside it.
+func TestTargetOutsideAllowListParks(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA, topicB)
+	e.insert(
+		msg{key: str("a"), target: topicB, recKey: []byte("a"), value: []byte("forbidden")},
+		msg{key: str("a"), target: topicA, recKey: []byte("a"), value: []byte("allowed")},
+	)
+	d := e.dispatcher("t1", time.Minute, deferral.TargetPatterns{"orders.*"})
+	e.drain(d, 10*time.Second)
+	got := col.wait(t, 1, 5*time.Second)
+	time.Sleep(200 * time.Millisecond)
+	if got = col.snapshot(); len(got) != 1 || string(got[0].Value) != "allowed" || got[0].Topic != topicA {
+		t.Fatalf("published %s, want only 'allowed' on %s", fmtIDs(got), topicA)
+	}
+	mustEqual(t, "parked target_not_allowed", e.count("state = 'parked' AND reason LIKE 'target_not_allowed:%'"), 1)
+}
+
+// A record larger than the producer may send is parked with the reason;
+// the rest of the key goes on.
+func TestTooLargeParks(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	e.insert(
+		msg{key: str("big"), target: topicA, recKey: []byte("big"), value: bytes.Repeat([]byte("x"), 1_100_000)},
+		msg{key: str("big"), target: topicA, recKey: []byte("big"), value: []byte("small")},
+	)
+	d := e.dispatcher("t1", time.Minute, allowAll)
+	e.drain(d, 10*time.Second)
+	got := col.wait(t, 1, 5*time.Second)
+	mustEqual(t, "published", string(got[0].Value), "small")
+	mustEqual(t, "parked too_large", e.count("state = 'parked' AND reason LIKE '%too_large%'"), 1)
+}
+
+// Retriable produce errors are retried by the producer and lose nothing.
+func TestRetriableProduceErrorsLoseNothing(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicA,
+		Err: kerr.NotLeaderForPartition, Count: 3})
+	defer fault.Remove()
+	var rows []msg
+	for i := range 50 {
+		rows = append(rows, msg{key: str(fmt.Sprintf("k%d", i%5)), target: topicA, recKey: []byte(fmt.Sprintf("k%d", i%5)), value: []byte(strconv.Itoa(i))})
+	}
+	e.insert(rows...)
+	e.drain(e.dispatcher("t1", time.Minute, allowAll), 20*time.Second)
+	got := col.wait(t, 50, 5*time.Second)
+	if fault.Hits() == 0 {
+		t.Fatal("the fault never fired; the test tested nothing")
+	}
+	seen := map[string]bool{}
+	for _, m := range got {
+		seen[string(m.Value)] = true
+	}
+	mustEqual(t, "distinct published", len(seen), 50)
+	mustEqual(t, "rows left", e.count("true"), 0)
+}
+
+// With the broker refusing every produce, keys back off, stay pending and
+// are not lost; when it recovers everything goes out in order.
+func TestBrokerDownBacksOffAndResumes(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: -1})
+	e.insert(
+		msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("1")},
+		msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("2")},
+	)
+	d := e.dispatcher("t1", time.Minute, allowAll)
+	st, err := d.Round(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "keys backed off", st.Retry, 1)
+	mustEqual(t, "pending", e.count("state = 'pending'"), 2)
+	var leasedBy *string
+	var blocked bool
+	if err := e.pool.QueryRow(context.Background(),
+		"SELECT leased_by, leased_until > now() FROM deferred_key WHERE business_key = 'k'").Scan(&leasedBy, &blocked); err != nil {
+		t.Fatal(err)
+	}
+	if leasedBy != nil || !blocked {
+		t.Fatalf("after a retriable failure the key must be free of owner but blocked for the back-off; leased_by=%v blocked=%v", leasedBy, blocked)
+	}
+	fault.Remove()
+	e.drain(d, 20*time.Second)
+	got := col.wait(t, 2, 5*time.Second)
+	mustEqual(t, "first", string(got[0].Value), "1")
+	mustEqual(t, "second", string(got[1].Value), "2")
+}
+
+// A crash between publish and finalize republishes after the lease
+// expires, with the same defer.id.
+func TestCrashAfterPublishRepublishesSameID(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("v")})
+
+	crashing := e.dispatcher("crashing", 500*time.Millisecond, allowAll)
+	crashing.afterPublish = func() error { return errors.New("crash") }
+	if _, err := crashing.Round(context.Background()); !errors.Is(err, errCrashed) {
+		t.Fatalf("round: %v, want the crash", err)
+	}
+	first := col.wait(t, 1, 5*time.Second)
+	mustEqual(t, "still pending", e.count("state = 'pending'"), 1)
+
+	other := e.dispatcher("other", time.Minute, allowAll)
+	st, err := other.Round(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "claimable while the lease holds", st.Keys, 0)
+	time.Sleep(600 * time.Millisecond)
+	e.drain(other, 5*time.Second)
+	got := col.wait(t, 2, 5*time.Second)
+	mustEqual(t, "duplicate carries the same defer.id", hdr(got[1], "defer.id"), hdr(first[0], "defer.id"))
+	mustEqual(t, "rows left", e.count("true"), 0)
+}
+
+// The River runtime runs the loops, publishes, and hands over to successors.
+func TestRuntimeDispatchesAndHandsOver(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	waker := NewWaker(e.pool, 5*time.Millisecond, testLogger(t))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go waker.Run(ctx)
+	rt, err := NewRuntime(e.pool, e.producer, waker, RuntimeConfig{
+		Instance: "test", Loops: 2, Workers: 2, LoopDuration: time.Second, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Minute,
+		Dispatch:            Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: allowAll},
+	}, testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Stop(context.Background())
+
+	// The poll interval is 5 s: arriving within a second proves the
+	// notification woke a loop.
+	time.Sleep(300 * time.Millisecond)
+	start := time.Now()
+	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("now")})
+	col.wait(t, 1, 5*time.Second)
+	if took := time.Since(start); took > time.Second {
+		t.Fatalf("due message published after %v; the notification did not wake a loop", took)
+	}
+	// Run across several hand-overs (LoopDuration 1 s).
+	e.insert(msg{key: str("k2"), target: topicA, recKey: []byte("k2"), in: 2500 * time.Millisecond, value: []byte("later")})
+	col.wait(t, 2, 6*time.Second)
+
+	var completed int
+	if err := e.pool.QueryRow(ctx, "SELECT count(*) FROM river_job WHERE kind = $1 AND state = 'completed'",
+		LoopArgs{}.Kind()).Scan(&completed); err != nil {
+		t.Fatal(err)
+	}
+	if completed < 2 {
+		t.Fatalf("%d loop runs completed; loops are not handing over", completed)
+	}
+	if err := rt.Stop(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	var waiting int
+	if err := e.pool.QueryRow(ctx, "SELECT count(DISTINCT args->>'slot') FROM river_job WHERE kind = $1 AND state IN ('available', 'scheduled', 'retryable')",
+		LoopArgs{}.Kind()).Scan(&waiting); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "slots waiting for the next start", waiting, 2)
+}
+
+// Without notifications, polling alone publishes on time.
+func TestPollingAloneIsCorrect(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	d := e.dispatcher("poller", time.Minute, allowAll)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx, time.Now().Add(time.Minute), nil) }()
+	e.insert(
+		msg{key: str("k"), target: topicA, recKey: []byte("k"), in: 300 * time.Millisecond, value: []byte("1")},
+		msg{target: topicA, recKey: []byte("u"), in: 100 * time.Millisecond, value: []byte("unordered")},
+	)
+	got := col.wait(t, 2, 3*time.Second)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "first out", string(got[0].Value), "unordered")
+}
