@@ -5,11 +5,12 @@
 -- topic, partition and offset) is skipped, which makes ingest idempotent.
 -- next_run_at comes from $7 when set, else now() plus the delay in $8, so that
 -- delays count from the database clock the dispatcher also uses.
+-- Returns how many rows were stored, and how many of those were rejected.
 WITH headers AS (
     SELECT h.record, array_agg(h.key ORDER BY h.position) AS keys, array_agg(h.value ORDER BY h.position) AS vals
     FROM unnest($17::int[], $18::text[], $19::bytea[]) WITH ORDINALITY AS h (record, key, value, position)
     GROUP BY h.record
-)
+), inserted AS (
 INSERT INTO deferred_message (
     source_topic, source_partition, source_offset, business_key, seq, target_topic,
     next_run_at, attempt, state, reason, error_class, error_message, origin_id,
@@ -27,3 +28,6 @@ LEFT JOIN headers h ON h.record = r.record
 -- volatile output expressions after the sort).
 ORDER BY r.record
 ON CONFLICT (source_topic, source_partition, source_offset) DO NOTHING
+RETURNING state
+)
+SELECT count(*), count(*) FILTER (WHERE state = 'rejected') FROM inserted

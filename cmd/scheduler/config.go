@@ -39,21 +39,22 @@ type config struct {
 	DispatchBatchKeys    int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
 	DispatchKeyBatch     int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
 	DispatchLoopDuration time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
-	LeaseDuration        time.Duration `env:"LEASE_DURATION" envDefault:"2m" form:"Go duration, longer than the longest publish (see --help)" help:"how long a claim holds its keys; after a crash, keys wait this long"`
+	LeaseDuration        time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 15 x KAFKA_TIMEOUT + 0.5s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
 	PollInterval         time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
 	ListenNotify         bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications; false for PgBouncer transaction mode (poll only)"`
 	DBMaxConns           int32         `env:"DB_MAX_CONNS" envDefault:"20" form:"integer 4..1000" help:"Postgres connection pool size"`
 
-	KafkaVersion            string `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`
-	KafkaClientID           string `env:"KAFKA_CLIENT_ID" envDefault:"defer-scheduler" form:"string" help:"client.id sent to the brokers"`
-	KafkaTLS                bool   `env:"KAFKA_TLS" envDefault:"false" form:"true or false" help:"connect to the brokers with TLS"`
-	KafkaTLSCAFile          string `env:"KAFKA_TLS_CA_FILE" form:"path to a PEM file" help:"CA bundle for the brokers' certificates (default: system roots)"`
-	KafkaTLSCertFile        string `env:"KAFKA_TLS_CERT_FILE" form:"path to a PEM file" help:"client certificate for mutual TLS"`
-	KafkaTLSKeyFile         string `env:"KAFKA_TLS_KEY_FILE" form:"path to a PEM file" help:"client key for mutual TLS"`
-	KafkaTLSInsecureSkipVer bool   `env:"KAFKA_TLS_INSECURE_SKIP_VERIFY" envDefault:"false" form:"true or false" help:"do not verify the brokers' certificates (testing only)"`
-	KafkaSASLMechanism      string `env:"KAFKA_SASL_MECHANISM" form:"empty, PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512" help:"SASL mechanism (empty: no SASL)"`
-	KafkaSASLUser           string `env:"KAFKA_SASL_USER" form:"string" help:"SASL user"`
-	KafkaSASLPassword       string `env:"KAFKA_SASL_PASSWORD" form:"string" help:"SASL password"`
+	KafkaVersion            string        `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`
+	KafkaClientID           string        `env:"KAFKA_CLIENT_ID" envDefault:"defer-scheduler" form:"string" help:"client.id sent to the brokers"`
+	KafkaTimeout            time.Duration `env:"KAFKA_TIMEOUT" envDefault:"5s" form:"Go duration, 100ms..1m" help:"bound on each Kafka network step (dial, write, read); publish retries derive from it"`
+	KafkaTLS                bool          `env:"KAFKA_TLS" envDefault:"false" form:"true or false" help:"connect to the brokers with TLS"`
+	KafkaTLSCAFile          string        `env:"KAFKA_TLS_CA_FILE" form:"path to a PEM file" help:"CA bundle for the brokers' certificates (default: system roots)"`
+	KafkaTLSCertFile        string        `env:"KAFKA_TLS_CERT_FILE" form:"path to a PEM file" help:"client certificate for mutual TLS"`
+	KafkaTLSKeyFile         string        `env:"KAFKA_TLS_KEY_FILE" form:"path to a PEM file" help:"client key for mutual TLS"`
+	KafkaTLSInsecureSkipVer bool          `env:"KAFKA_TLS_INSECURE_SKIP_VERIFY" envDefault:"false" form:"true or false" help:"do not verify the brokers' certificates (testing only)"`
+	KafkaSASLMechanism      string        `env:"KAFKA_SASL_MECHANISM" form:"empty, PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512" help:"SASL mechanism (empty: no SASL)"`
+	KafkaSASLUser           string        `env:"KAFKA_SASL_USER" form:"string" help:"SASL user"`
+	KafkaSASLPassword       string        `env:"KAFKA_SASL_PASSWORD" form:"string" help:"SASL password"`
 
 	LogLevel        string        `env:"LOG_LEVEL" envDefault:"info" form:"debug, info, warn or error" help:"log level"`
 	LogFormat       string        `env:"LOG_FORMAT" envDefault:"text" form:"text or json" help:"log format"`
@@ -132,6 +133,9 @@ func (c *config) validate() error {
 	positive("MAX_DELAY", c.MaxDelay, "Go duration, e.g. 168h")
 	positive("INGEST_BATCH_LINGER", c.IngestBatchLinger, "Go duration, e.g. 20ms")
 	positive("SHUTDOWN_TIMEOUT", c.ShutdownTimeout, "Go duration")
+	if c.KafkaTimeout < 100*time.Millisecond || c.KafkaTimeout > time.Minute {
+		errs = append(errs, bad("KAFKA_TIMEOUT", c.KafkaTimeout.String(), "Go duration, 100ms..1m"))
+	}
 	if c.DispatchLoopDuration < time.Second {
 		errs = append(errs, bad("DISPATCH_LOOP_DURATION", c.DispatchLoopDuration.String(), "Go duration >= 1s"))
 	}
@@ -174,7 +178,7 @@ func (c *config) validate() error {
 		errs = append(errs, fmt.Errorf("KAFKA_* settings: %w", err))
 	} else if limit := dispatch.MaxPublishDuration(dispatch.ProducerConfig(kc)); c.LeaseDuration <= limit {
 		errs = append(errs, bad("LEASE_DURATION", c.LeaseDuration.String(),
-			fmt.Sprintf("Go duration longer than the longest publish, %v", limit)))
+			fmt.Sprintf("Go duration longer than the longest publish with KAFKA_TIMEOUT=%v, which is %v", c.KafkaTimeout, limit)))
 	}
 	return errors.Join(errs...)
 }
@@ -193,7 +197,7 @@ func (c *config) requireRun() error {
 
 func (c *config) kafka() kafkaclient.Settings {
 	return kafkaclient.Settings{
-		Version: c.KafkaVersion, ClientID: c.KafkaClientID,
+		Version: c.KafkaVersion, ClientID: c.KafkaClientID, Timeout: c.KafkaTimeout,
 		TLS: c.KafkaTLS, TLSCAFile: c.KafkaTLSCAFile, TLSCertFile: c.KafkaTLSCertFile, TLSKeyFile: c.KafkaTLSKeyFile,
 		TLSInsecureSkipVer: c.KafkaTLSInsecureSkipVer,
 		SASLMechanism:      c.KafkaSASLMechanism, SASLUser: c.KafkaSASLUser, SASLPassword: c.KafkaSASLPassword,

@@ -71,8 +71,8 @@ func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, log
 // Joined reports whether ingest currently holds a consumer-group session.
 func (in *Ingester) Joined() bool { return in.joined.Load() }
 
-// Counts returns rows stored, of which rejected, and records skipped as
-// already stored, since start.
+// Counts returns rows stored, how many of those were stored as rejected, and
+// records skipped as already stored, since start.
 func (in *Ingester) Counts() (stored, rejected, duplicates int64) {
 	return in.stored.Load(), in.rejected.Load(), in.duplicates.Load()
 }
@@ -175,7 +175,6 @@ func finalContext(ctx context.Context) context.Context {
 func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession, topic string, partition int32, msgs []*sarama.ConsumerMessage) error {
 	start := in.now()
 	entries := make([]Entry, len(msgs))
-	var rejected int64
 	for i, m := range msgs {
 		rec := Record{Key: m.Key, Value: m.Value, Headers: make([]Header, len(m.Headers))}
 		for j, h := range m.Headers {
@@ -189,14 +188,18 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 				rej = &RejectError{Code: "invalid_record", Detail: err.Error()}
 			}
 			entries[i].Reject = rej
-			rejected++
 		}
 	}
 
-	var stored int64
+	var stored, rejected int64
 	for attempt := 1; ; attempt++ {
+		// Each attempt runs to its end even if the session ends meanwhile: a
+		// write cancelled after it reached Postgres would commit rows whose
+		// offsets then go unmarked. The session is checked between attempts.
+		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		var err error
-		stored, err = in.store.Insert(ctx, topic, partition, entries)
+		stored, rejected, err = in.store.Insert(actx, topic, partition, entries)
+		cancel()
 		if err == nil {
 			break
 		}

@@ -30,12 +30,13 @@ type Store struct {
 func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 
 // Insert stores the entries read from one partition in one statement (so in
-// one transaction) and returns how many were new. Entries stored before (the
-// same topic, partition and offset) are skipped: replaying a partition after a
-// crash or a rebalance stores nothing twice.
-func (s *Store) Insert(ctx context.Context, topic string, partition int32, entries []Entry) (int64, error) {
+// one transaction) and returns how many were new, and how many of those were
+// rejected. Entries stored before (the same topic, partition and offset) are
+// skipped: replaying a partition after a crash or a rebalance stores nothing
+// twice.
+func (s *Store) Insert(ctx context.Context, topic string, partition int32, entries []Entry) (stored, rejected int64, err error) {
 	if len(entries) == 0 {
-		return 0, nil
+		return 0, 0, nil
 	}
 	n := len(entries)
 	var (
@@ -104,12 +105,12 @@ func (s *Store) Insert(ctx context.Context, topic string, partition int32, entri
 			hValues = append(hValues, h.Value)
 		}
 	}
-	tag, err := s.pool.Exec(ctx, schedsql.IngestInsert, topic, partition,
+	err = s.pool.QueryRow(ctx, schedsql.IngestInsert, topic, partition,
 		offsets, bizKeys, seqs, targets, runAts, delays, attempts, states, reasons, classes, messages, origins,
-		keys, values, hRecord, hKeys, hValues)
+		keys, values, hRecord, hKeys, hValues).Scan(&stored, &rejected)
 	if err != nil {
-		return 0, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
+		return 0, 0, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
 			n, topic, partition, offsets[0], offsets[n-1], err)
 	}
-	return tag.RowsAffected(), nil
+	return stored, rejected, nil
 }

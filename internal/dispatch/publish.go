@@ -22,8 +22,9 @@ type Producer interface {
 // request in flight (so retries cannot reorder a partition), the
 // Java-compatible murmur2 partitioner (a key lands on the partition the Java
 // client would pick), no topic auto-creation (an unknown target must fail,
-// not create a topic), and network timeouts short enough that a publish
-// finishes well inside a lease. Callers add brokers, TLS and SASL.
+// not create a topic), and few retries so that a publish ends well inside a
+// lease. The network timeouts come from base (KAFKA_TIMEOUT); callers set
+// brokers, TLS and SASL there too.
 func ProducerConfig(base *sarama.Config) *sarama.Config {
 	c := base
 	c.Producer.Idempotent = true
@@ -31,29 +32,27 @@ func ProducerConfig(base *sarama.Config) *sarama.Config {
 	c.Producer.Return.Successes = true
 	c.Producer.Return.Errors = true
 	c.Producer.Partitioner = sarama.NewMurmur2Partitioner
-	c.Producer.Retry.Max = 3
+	c.Producer.Retry.Max = 2
 	c.Producer.Retry.Backoff = 100 * time.Millisecond
 	// The broker waits up to Producer.Timeout for replicas; the read timeout
 	// must outlast it or a slow but successful produce looks failed.
-	c.Producer.Timeout = 4 * time.Second
+	c.Producer.Timeout = c.Net.ReadTimeout * 2 / 3
 	c.Net.MaxOpenRequests = 1
-	c.Net.DialTimeout = 3 * time.Second
-	c.Net.ReadTimeout = 6 * time.Second
-	c.Net.WriteTimeout = 5 * time.Second
 	c.Metadata.AllowAutoTopicCreation = false
-	c.Metadata.Retry.Max = 2
+	c.Metadata.Retry.Max = 1
 	c.Metadata.Retry.Backoff = 100 * time.Millisecond
 	return c
 }
 
-// MaxPublishDuration bounds how long one SendMessages call can take with the
-// settings of ProducerConfig: every attempt can wait for a dial, a write and
-// a read, plus the back-offs between attempts. A lease must be longer.
+// MaxPublishDuration bounds how long one SendMessages call can take with
+// config c: every attempt, and every metadata refresh before it, can wait for
+// a dial, a write and a read, plus the back-offs between attempts. A lease
+// must be longer, or a slow publish could overlap a second holder's.
 func MaxPublishDuration(c *sarama.Config) time.Duration {
-	attempt := c.Net.DialTimeout + c.Net.WriteTimeout + c.Net.ReadTimeout
+	step := c.Net.DialTimeout + c.Net.WriteTimeout + c.Net.ReadTimeout
 	tries := time.Duration(c.Producer.Retry.Max + 1)
-	meta := time.Duration(c.Metadata.Retry.Max+1) * (attempt + c.Metadata.Retry.Backoff)
-	return tries*(attempt+c.Producer.Retry.Backoff) + meta
+	meta := time.Duration(c.Metadata.Retry.Max+1) * (step + c.Metadata.Retry.Backoff)
+	return tries*(step+c.Producer.Retry.Backoff) + meta
 }
 
 // Output headers the scheduler writes on every republished record.

@@ -10,6 +10,7 @@ import (
 	"crypto/x509"
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/IBM/sarama"
 	"github.com/xdg-go/scram"
@@ -20,6 +21,10 @@ import (
 type Settings struct {
 	Version  string // Kafka protocol version to speak, e.g. "3.6.0"
 	ClientID string
+	// Timeout bounds each network step (dial, write, read). Producers derive
+	// the broker's ack timeout from it, and leases must outlast the publish
+	// time it implies (see dispatch.MaxPublishDuration).
+	Timeout time.Duration
 
 	TLS                bool
 	TLSCAFile          string // PEM; empty: the system roots
@@ -46,6 +51,9 @@ func (s Settings) Config() (*sarama.Config, error) {
 	c.Version = v
 	if s.ClientID != "" {
 		c.ClientID = s.ClientID
+	}
+	if s.Timeout > 0 {
+		c.Net.DialTimeout, c.Net.ReadTimeout, c.Net.WriteTimeout = s.Timeout, s.Timeout, s.Timeout
 	}
 	if s.TLS {
 		tc, err := s.tlsConfig()
