@@ -150,11 +150,15 @@ $$;
 -- unordered message ids after rows were updated or deleted.
 --
 -- Correctness under concurrency (READ COMMITTED): each statement below takes
--- a new snapshot. The first two lock the head row of every affected key,
--- creating a placeholder where none exists, so a concurrent insert of the
--- same key (which locks or inserts that row too) is ordered before or after
--- us; the recompute then runs on a snapshot taken after the locks, so it sees
--- every message committed before us. Leases are kept: they belong to the key.
+-- a new snapshot. The first locks the head row of every affected key, in key
+-- order, creating a placeholder where none exists. It must be one upsert: ON
+-- CONFLICT DO UPDATE locks the row even when its WHERE is false, and if the
+-- row is deleted while we wait for it, the insert is retried, so no key is
+-- ever left unlocked (a plain SELECT ... FOR UPDATE silently skips a row
+-- deleted meanwhile). A concurrent insert of the same key locks or inserts
+-- that row too, so it is ordered before or after us; the recompute then runs
+-- on a snapshot taken after the locks and sees every message committed
+-- before us. Leases are kept: they belong to the key.
 CREATE FUNCTION deferred_key_refresh(keys text[], unordered_ids bigint[]) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -162,14 +166,9 @@ DECLARE
     earliest_unordered timestamptz;
 BEGIN
     IF cardinality(keys) > 0 THEN
-        INSERT INTO deferred_key (business_key, head_id, head_seq, next_run_at)
+        INSERT INTO deferred_key AS d (business_key, head_id, head_seq, next_run_at)
         SELECT k, 0, 0, 'infinity' FROM unnest(keys) AS k ORDER BY k
-        ON CONFLICT (business_key) DO NOTHING;
-
-        PERFORM 1 FROM deferred_key
-        WHERE business_key = ANY (keys)
-        ORDER BY business_key
-        FOR UPDATE;
+        ON CONFLICT (business_key) DO UPDATE SET head_id = d.head_id WHERE false;
 
         WITH heads AS (
             SELECT k.business_key, m.id, m.seq, m.next_run_at
@@ -290,6 +289,19 @@ CREATE TRIGGER deferred_key_update AFTER UPDATE ON deferred_message
 CREATE TRIGGER deferred_key_delete AFTER DELETE ON deferred_message
     REFERENCING OLD TABLE AS old_rows
     FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_after_delete();
+
+-- TRUNCATE fires no DELETE trigger; without this, heads would point at
+-- messages that no longer exist.
+CREATE FUNCTION deferred_key_after_truncate() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    TRUNCATE deferred_key;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER deferred_key_truncate AFTER TRUNCATE ON deferred_message
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_after_truncate();
 
 -- updated_at follows every change an operator or the service makes.
 CREATE FUNCTION deferred_message_touch() RETURNS trigger

@@ -85,24 +85,19 @@ func Apply(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result
 	if err != nil {
 		return Result{}, err
 	}
-	// A session-level lock on a connection of our own, because River's
-	// migrations cannot all run in one transaction (one adds an enum value
-	// and then uses it), so the lock must outlive several transactions.
-	conn, err := pool.Acquire(ctx)
+	// A session-level lock, because River's migrations cannot all run in
+	// one transaction (one adds an enum value and then uses it), so the lock
+	// must outlive several transactions. It is taken on a connection of its
+	// own, outside the pool, so that River can still use the pool even when
+	// the pool has a single connection; closing the connection releases it.
+	conn, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig.Copy())
 	if err != nil {
 		return Result{}, fmt.Errorf("connect for migrations: %w", err)
 	}
-	defer conn.Release()
+	defer conn.Close(context.WithoutCancel(ctx))
 	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", lockKey); err != nil {
 		return Result{}, fmt.Errorf("take migration lock: %w", err)
 	}
-	defer func() {
-		// A failed unlock leaves the lock until the connection closes; make
-		// sure it does close rather than return to the pool holding it.
-		if _, err := conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", lockKey); err != nil {
-			conn.Conn().Close(context.WithoutCancel(ctx))
-		}
-	}()
 
 	var res Result
 	migrator, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: logger})

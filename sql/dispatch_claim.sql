@@ -20,7 +20,7 @@ WITH due AS MATERIALIZED (
     SET leased_until = now() + $2::interval, leased_by = $4::text
     FROM due
     WHERE k.ctid = due.ctid
-    RETURNING k.business_key, k.head_id
+    RETURNING k.business_key, k.head_id, k.head_seq
 )
 SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt,
        m.key, m.value, m.header_keys, m.header_values
@@ -31,6 +31,10 @@ LEFT JOIN LATERAL (
         SELECT m.*, bool_and(m.next_run_at <= now()) OVER (ORDER BY m.seq, m.id) AS all_due
         FROM deferred_message m
         WHERE c.business_key IS NOT NULL AND m.business_key = c.business_key AND m.state = 'pending'
+          -- The lock returned the newest head; this statement's snapshot may
+          -- be older and still hold messages another holder has since
+          -- published and deleted. Nothing before the head is handed out.
+          AND (m.seq, m.id) >= (c.head_seq, c.head_id)
         ORDER BY m.seq, m.id
         LIMIT $3
     ) s
@@ -38,6 +42,6 @@ LEFT JOIN LATERAL (
     UNION ALL
     SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.key, m.value, m.header_keys, m.header_values
     FROM deferred_message m
-    WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending'
+    WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
 ) m ON true
 ORDER BY c.business_key, c.head_id, m.seq, m.id

@@ -1,7 +1,8 @@
 -- Release leases that expired, so that what an operator sees in leased_by is
 -- true. Claiming does not need this (an expired lease is free to take); this
--- is housekeeping after a dispatcher died. Leased heads are due heads, so the
--- next_run_at bound keeps this on the index range of due heads.
+-- is housekeeping after a dispatcher died. It scans deferred_key, which is why
+-- it runs from periodic maintenance and never per poll: a lease can outlive a
+-- head change to a message that is not due, so no index range covers them all.
 UPDATE deferred_key
 SET leased_until = NULL, leased_by = NULL
-WHERE next_run_at <= now() AND leased_until <= now() - interval '1 second'
+WHERE leased_until <= now() - interval '1 second'

@@ -15,6 +15,8 @@ var (
 	IngestInsert string
 	//go:embed dispatch_claim.sql
 	DispatchClaim string
+	//go:embed dispatch_lock_keys.sql
+	DispatchLockKeys string
 	//go:embed dispatch_delete.sql
 	DispatchDelete string
 	//go:embed dispatch_park.sql

@@ -140,6 +140,7 @@ func NewRuntime(pool *pgxpool.Pool, producer Producer, waker *Waker, cfg Runtime
 		},
 		// A loop whose process died is retried once it has been running
 		// longer than any live loop can.
+		JobTimeout:                  rt.loopTimeout(),
 		RescueStuckJobsAfter:        rt.loopTimeout() + 15*time.Second,
 		CompletedJobRetentionPeriod: time.Hour,
 		FetchCooldown:               20 * time.Millisecond,

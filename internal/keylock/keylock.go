@@ -203,6 +203,9 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	}
 
 	b := &pgx.Batch{}
+	if len(keys) > 0 {
+		b.Queue(schedsql.DispatchLockKeys, keys)
+	}
 	if len(out.Published) > 0 {
 		b.Queue(schedsql.DispatchDelete, out.Published)
 	}
@@ -218,7 +221,8 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 }
 
 // NextDue returns how long until the earliest head that nobody holds is due
-// (0 if due now), and false when nothing is pending.
+// (0 if due now), and false when there is none: nothing pending, or every
+// head held or backing off (the caller then falls back to its poll interval).
 func (l *Locker) NextDue(ctx context.Context) (time.Duration, bool, error) {
 	var secs float64
 	err := l.pool.QueryRow(ctx, schedsql.DispatchNextDue).Scan(&secs)

@@ -73,11 +73,14 @@ type DB struct {
 //
 //	func TestMain(m *testing.M) { pgtest.Main(m) }
 //
-// It runs the tests, then drops the template database and stops the
-// throwaway cluster if it started one, and exits with m.Run's code.
-func Main(m *testing.M) {
+// It runs the tests, then runs cleanups, drops the template database and
+// stops the throwaway cluster if it started one, and exits with m.Run's code.
+func Main(m *testing.M, cleanups ...func()) {
 	mainCalled.Store(true)
 	code := m.Run()
+	for _, c := range cleanups {
+		c()
+	}
 	if err := teardown(); err != nil {
 		// Not a test failure: every test has passed or failed already.
 		fmt.Fprintf(os.Stderr, "pgtest: cleanup: %v\n", err)

@@ -1,0 +1,313 @@
+package migrations_test
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"log/slog"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+	"github.com/deferq/scheduler/migrations"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+var discard = slog.New(slog.DiscardHandler)
+
+// emptyDB creates a database with nothing in it (pgtest.NewDB's are already
+// migrated), drops it after the test, and returns a pool config for it.
+func emptyDB(t *testing.T) *pgxpool.Config {
+	t.Helper()
+	adminURL := pgtest.AdminURL(t)
+	var b [6]byte
+	rand.Read(b[:])
+	name := "mig_" + hex.EncodeToString(b[:])
+
+	admin, err := pgx.Connect(t.Context(), adminURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(context.Background())
+	if _, err := admin.Exec(t.Context(), "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		c, err := pgx.Connect(ctx, adminURL)
+		if err != nil {
+			t.Errorf("drop database %s: %v", name, err)
+			return
+		}
+		defer c.Close(ctx)
+		if _, err := c.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Errorf("drop database %s: %v", name, err)
+		}
+	})
+	cfg, err := pgxpool.ParseConfig(adminURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.Database = name
+	return cfg
+}
+
+func newPool(t *testing.T, cfg *pgxpool.Config) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.NewWithConfig(t.Context(), cfg.Copy())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func versions(ms []migrations.Migration) []int {
+	out := make([]int, len(ms))
+	for i, m := range ms {
+		out[i] = m.Version
+	}
+	return out
+}
+
+// recorded returns scheduler_migration's versions, one entry per row.
+func recorded(t *testing.T, pool *pgxpool.Pool) []int {
+	t.Helper()
+	rows, err := pool.Query(t.Context(), "SELECT version FROM scheduler_migration ORDER BY version")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vs, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil {
+		t.Fatal(err)
+	}
+	return vs
+}
+
+func mustAll(t *testing.T) []migrations.Migration {
+	t.Helper()
+	all, err := migrations.All()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) == 0 {
+		t.Fatal("no migrations embedded")
+	}
+	return all
+}
+
+func TestAll(t *testing.T) {
+	all := mustAll(t)
+	for i, m := range all {
+		if i > 0 && m.Version <= all[i-1].Version {
+			t.Errorf("migration %d (%s) follows %d: versions must increase", m.Version, m.Name, all[i-1].Version)
+		}
+		if m.Name == "" || m.SQL == "" {
+			t.Errorf("migration %d: empty name or SQL", m.Version)
+		}
+	}
+	if all[0].Version != 1 || all[0].Name != "deferred_message" {
+		t.Errorf("first migration = %d_%s, want 1_deferred_message", all[0].Version, all[0].Name)
+	}
+}
+
+// TestApplyFreshThenAgain: on an empty database Apply applies River's and
+// every one of ours; a second Apply applies nothing.
+func TestApplyFreshThenAgain(t *testing.T) {
+	all := mustAll(t)
+	pool := newPool(t, emptyDB(t))
+	ctx := t.Context()
+
+	pending, err := migrations.Pending(ctx, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(versions(pending), versions(all)) {
+		t.Errorf("Pending on an empty database = %v, want every migration %v", versions(pending), versions(all))
+	}
+
+	first, err := migrations.Apply(ctx, pool, discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(versions(first.Applied), versions(all)) || first.River == 0 {
+		t.Errorf("first Apply: ours %v, River %d; want %v and some River migrations", versions(first.Applied), first.River, versions(all))
+	}
+	for _, table := range []string{"deferred_message", "deferred_key", "river_job", "scheduler_migration"} {
+		var ok bool
+		if err := pool.QueryRow(ctx, "SELECT to_regclass($1) IS NOT NULL", table).Scan(&ok); err != nil || !ok {
+			t.Errorf("table %s missing after Apply (%v)", table, err)
+		}
+	}
+
+	second, err := migrations.Apply(ctx, pool, discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(second.Applied) != 0 || second.River != 0 {
+		t.Errorf("second Apply: ours %v, River %d; want nothing", versions(second.Applied), second.River)
+	}
+	if got := recorded(t, pool); !slices.Equal(got, versions(all)) {
+		t.Errorf("scheduler_migration = %v, want %v", got, versions(all))
+	}
+	if pending, err := migrations.Pending(ctx, pool); err != nil || len(pending) != 0 {
+		t.Errorf("Pending after Apply = %v, %v; want none", versions(pending), err)
+	}
+}
+
+// TestApplyConcurrent: replicas starting at once against an empty database
+// all succeed, and each migration is applied and recorded exactly once.
+func TestApplyConcurrent(t *testing.T) {
+	all := mustAll(t)
+	const replicas = 3
+	for round := range 2 {
+		cfg := emptyDB(t)
+		pools := make([]*pgxpool.Pool, replicas)
+		for i := range pools {
+			pools[i] = newPool(t, cfg) // a pool each, as separate processes would have
+			if err := pools[i].Ping(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		results := make([]migrations.Result, replicas)
+		errs := make([]error, replicas)
+		var wg sync.WaitGroup
+		start := make(chan struct{})
+		for i := range replicas {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				<-start
+				results[i], errs[i] = migrations.Apply(t.Context(), pools[i], discard)
+			}()
+		}
+		close(start)
+		wg.Wait()
+
+		var ours, river, appliers int
+		for i := range replicas {
+			if errs[i] != nil {
+				t.Errorf("round %d: replica %d: Apply: %v", round, i, errs[i])
+			}
+			ours += len(results[i].Applied)
+			river += results[i].River
+			if len(results[i].Applied) > 0 {
+				appliers++
+				if !slices.Equal(versions(results[i].Applied), versions(all)) {
+					t.Errorf("round %d: replica %d applied %v, want all of %v or nothing", round, i, versions(results[i].Applied), versions(all))
+				}
+			}
+		}
+		if ours != len(all) || appliers != 1 {
+			t.Errorf("round %d: %d of our migrations applied by %d replicas, want %d by one", round, ours, appliers, len(all))
+		}
+		var riverRecorded int
+		if err := pools[0].QueryRow(t.Context(), "SELECT count(*) FROM river_migration").Scan(&riverRecorded); err != nil {
+			t.Fatal(err)
+		}
+		if river != riverRecorded {
+			t.Errorf("round %d: replicas report %d River migrations applied, river_migration has %d", round, river, riverRecorded)
+		}
+		if got := recorded(t, pools[0]); !slices.Equal(got, versions(all)) {
+			t.Errorf("round %d: scheduler_migration = %v, want each of %v once", round, got, versions(all))
+		}
+		var triggers int
+		if err := pools[0].QueryRow(t.Context(), `SELECT count(*) FROM pg_trigger
+			WHERE tgrelid = 'deferred_message'::regclass AND NOT tgisinternal`).Scan(&triggers); err != nil {
+			t.Fatal(err)
+		}
+		if triggers != 5 {
+			t.Errorf("round %d: deferred_message has %d triggers, want 5 (insert, update, delete, truncate, touch)", round, triggers)
+		}
+	}
+}
+
+// TestMigratedDB: a database pgtest migrated has nothing pending, and Apply
+// finds nothing to do.
+func TestMigratedDB(t *testing.T) {
+	db := pgtest.NewDB(t)
+	pending, err := migrations.Pending(t.Context(), db.Pool)
+	if err != nil || len(pending) != 0 {
+		t.Errorf("Pending = %v, %v; want none", versions(pending), err)
+	}
+	res, err := migrations.Apply(t.Context(), db.Pool, discard)
+	if err != nil || len(res.Applied) != 0 || res.River != 0 {
+		t.Errorf("Apply = ours %v, River %d, %v; want nothing", versions(res.Applied), res.River, err)
+	}
+}
+
+// TestPendingReportsMissing: a version missing from scheduler_migration is
+// pending.
+func TestPendingReportsMissing(t *testing.T) {
+	db := pgtest.NewDB(t)
+	if _, err := db.Pool.Exec(t.Context(), "DELETE FROM scheduler_migration WHERE version = 1"); err != nil {
+		t.Fatal(err)
+	}
+	pending, err := migrations.Pending(t.Context(), db.Pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := versions(pending); !slices.Equal(got, []int{1}) {
+		t.Errorf("Pending = %v, want [1]", got)
+	}
+}
+
+// TestSchemaTooNew: a database migrated by a newer release (it records a
+// version this binary lacks) is refused by Apply and Pending, Apply changes
+// nothing, and it gives the migration lock back.
+func TestSchemaTooNew(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	if _, err := db.Pool.Exec(ctx, "INSERT INTO scheduler_migration (version, name) VALUES (9999, 'from_the_future')"); err != nil {
+		t.Fatal(err)
+	}
+	before := recorded(t, db.Pool)
+
+	for attempt := range 2 { // the second would hang if the first kept the advisory lock
+		actx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		res, err := migrations.Apply(actx, db.Pool, discard)
+		cancel()
+		if !errors.Is(err, migrations.ErrSchemaTooNew) {
+			t.Errorf("Apply #%d error = %v, want ErrSchemaTooNew", attempt+1, err)
+		}
+		if len(res.Applied) != 0 {
+			t.Errorf("Apply #%d applied %v", attempt+1, versions(res.Applied))
+		}
+	}
+	if _, err := migrations.Pending(ctx, db.Pool); !errors.Is(err, migrations.ErrSchemaTooNew) {
+		t.Errorf("Pending error = %v, want ErrSchemaTooNew", err)
+	}
+	if got := recorded(t, db.Pool); !slices.Equal(got, before) {
+		t.Errorf("scheduler_migration changed: %v, was %v", got, before)
+	}
+	var held int
+	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+		WHERE l.locktype = 'advisory' AND d.datname = current_database()`).Scan(&held); err != nil {
+		t.Fatal(err)
+	}
+	if held != 0 {
+		t.Errorf("%d advisory locks still held after Apply failed", held)
+	}
+}
+
+// TestApplySingleConnectionPool: Apply holds one pool connection for the
+// advisory lock while rivermigrate asks the same pool for more, so on a pool
+// of one connection (pool_max_conns=1 in DATABASE_URL) it waits forever.
+func TestApplySingleConnectionPool(t *testing.T) {
+	cfg := emptyDB(t)
+	cfg.MaxConns = 1
+	pool := newPool(t, cfg)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if _, err := migrations.Apply(ctx, pool, discard); err != nil {
+		t.Errorf("Apply on a one-connection pool: %v", err)
+	}
+}
