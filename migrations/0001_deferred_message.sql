@@ -314,3 +314,28 @@ $$;
 
 CREATE TRIGGER deferred_message_touch BEFORE UPDATE ON deferred_message
     FOR EACH ROW EXECUTE FUNCTION deferred_message_touch();
+
+-- Live scheduler processes. Each heartbeats every second; a dispatch loop job
+-- left "running" by a process whose heartbeat stopped (it crashed) is
+-- reaped by the live ones and its slot re-created at once, instead of
+-- waiting for River's rescuer, which cannot tell a dead loop from a long one.
+CREATE TABLE scheduler_instance (
+    id           text PRIMARY KEY,   -- the process's River client id
+    started_at   timestamptz NOT NULL DEFAULT now(),
+    heartbeat_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- The next offset to read in each partition of the defer topic, written in the
+-- same statement as the rows read before it. Ingest starts each partition
+-- from here (or from the group's committed offset, if later), so a record
+-- is stored once even when its row was already dispatched and deleted
+-- before the consumer group committed its offset (a crash in between). To
+-- re-ingest a partition on purpose, delete its row here as well as moving
+-- the group's offset.
+CREATE TABLE ingest_offset (
+    topic       text NOT NULL,
+    partition   int NOT NULL,
+    next_offset bigint NOT NULL,
+    updated_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (topic, partition)
+);

@@ -5,8 +5,14 @@
 -- topic, partition and offset) is skipped, which makes ingest idempotent.
 -- next_run_at comes from $7 when set, else now() plus the delay in $8, so that
 -- delays count from the database clock the dispatcher also uses.
+-- The same statement records $20, the partition's next offset to read, so that
+-- the rows and the offset commit together (see ingest_offset).
 -- Returns how many rows were stored, and how many of those were rejected.
-WITH headers AS (
+WITH position AS (
+    INSERT INTO ingest_offset AS o (topic, partition, next_offset) VALUES ($1, $2, $20)
+    ON CONFLICT (topic, partition) DO UPDATE
+        SET next_offset = greatest(o.next_offset, excluded.next_offset), updated_at = now()
+), headers AS (
     SELECT h.record, array_agg(h.key ORDER BY h.position) AS keys, array_agg(h.value ORDER BY h.position) AS vals
     FROM unnest($17::int[], $18::text[], $19::bytea[]) WITH ORDINALITY AS h (record, key, value, position)
     GROUP BY h.record

@@ -13,6 +13,8 @@ import _ "embed"
 var (
 	//go:embed ingest_insert.sql
 	IngestInsert string
+	//go:embed ingest_offsets.sql
+	IngestOffsets string
 	//go:embed dispatch_claim.sql
 	DispatchClaim string
 	//go:embed dispatch_lock_keys.sql
@@ -27,4 +29,12 @@ var (
 	DispatchNextDue string
 	//go:embed lease_sweep.sql
 	LeaseSweep string
+	//go:embed dispatch_reap_loops.sql
+	DispatchReapLoops string
+	//go:embed instance_heartbeat.sql
+	InstanceHeartbeat string
+	//go:embed instance_leave.sql
+	InstanceLeave string
+	//go:embed instance_prune.sql
+	InstancePrune string
 )

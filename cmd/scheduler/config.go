@@ -6,11 +6,14 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"reflect"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/caarlos0/env/v11"
 
 	deferral "github.com/deferq/scheduler/internal/defer"
@@ -61,6 +64,8 @@ type config struct {
 	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
 
 	targets deferral.TargetPatterns
+	// raw is the environment as given, so errors quote values as typed.
+	raw map[string]string
 }
 
 // loadConfig reads the configuration from environ (os.Environ form) and
@@ -73,10 +78,40 @@ func loadConfig(environ []string) (config, error) {
 		}
 	}
 	var c config
-	if err := env.ParseWithOptions(&c, env.Options{Environment: vars}); err != nil {
-		return c, explainEnvError(err, vars)
+	perr := env.ParseWithOptions(&c, env.Options{Environment: vars})
+	c.raw = vars
+	if perr == nil {
+		return c, c.validate()
 	}
-	return c, c.validate()
+	// Report every problem at once: values that did not parse, and what
+	// validation finds in the rest. A variable that did not parse holds its
+	// zero value, so validation's complaints about it (or mentioning it) are
+	// noise and are dropped.
+	failed := map[string]bool{}
+	var agg env.AggregateError
+	if errors.As(perr, &agg) {
+		for _, e := range agg.Errors {
+			var pe env.ParseError
+			if errors.As(e, &pe) {
+				if f, ok := reflect.TypeFor[config]().FieldByName(pe.Name); ok {
+					failed[f.Tag.Get("env")] = true
+				}
+			}
+		}
+	}
+	errs := []error{explainEnvError(perr, vars)}
+	if verr := c.validate(); verr != nil {
+		for _, e := range verr.(interface{ Unwrap() []error }).Unwrap() {
+			noise := false
+			for name := range failed {
+				noise = noise || strings.Contains(e.Error(), name+"=")
+			}
+			if !noise {
+				errs = append(errs, e)
+			}
+		}
+	}
+	return c, errors.Join(errs...)
 }
 
 // explainEnvError rewrites caarlos0/env errors, which name Go fields, into
@@ -101,7 +136,10 @@ func explainEnvError(err error, vars map[string]string) error {
 	return errors.Join(out...)
 }
 
-func bad(name, value, form string, why ...any) error {
+func (c *config) bad(name, value, form string, why ...any) error {
+	if v, ok := c.raw[name]; ok {
+		value = v // as typed, not as Go prints the parsed value
+	}
 	msg := fmt.Sprintf("%s=%q is not valid", name, value)
 	if len(why) > 0 {
 		msg += " (" + fmt.Sprint(why...) + ")"
@@ -115,7 +153,7 @@ func (c *config) validate() error {
 	var errs []error
 	intRange := func(name string, v, lo, hi int) {
 		if v < lo || v > hi {
-			errs = append(errs, bad(name, fmt.Sprint(v), fmt.Sprintf("integer %d..%d", lo, hi)))
+			errs = append(errs, c.bad(name, fmt.Sprint(v), fmt.Sprintf("integer %d..%d", lo, hi)))
 		}
 	}
 	intRange("INGEST_BATCH_SIZE", c.IngestBatchSize, 1, 100000)
@@ -127,57 +165,87 @@ func (c *config) validate() error {
 
 	positive := func(name string, d time.Duration, form string) {
 		if d <= 0 {
-			errs = append(errs, bad(name, d.String(), form, "must be positive"))
+			errs = append(errs, c.bad(name, d.String(), form, "must be positive"))
 		}
 	}
 	positive("MAX_DELAY", c.MaxDelay, "Go duration, e.g. 168h")
 	positive("INGEST_BATCH_LINGER", c.IngestBatchLinger, "Go duration, e.g. 20ms")
 	positive("SHUTDOWN_TIMEOUT", c.ShutdownTimeout, "Go duration")
 	if c.KafkaTimeout < 100*time.Millisecond || c.KafkaTimeout > time.Minute {
-		errs = append(errs, bad("KAFKA_TIMEOUT", c.KafkaTimeout.String(), "Go duration, 100ms..1m"))
+		errs = append(errs, c.bad("KAFKA_TIMEOUT", c.KafkaTimeout.String(), "Go duration, 100ms..1m"))
 	}
 	if c.DispatchLoopDuration < time.Second {
-		errs = append(errs, bad("DISPATCH_LOOP_DURATION", c.DispatchLoopDuration.String(), "Go duration >= 1s"))
+		errs = append(errs, c.bad("DISPATCH_LOOP_DURATION", c.DispatchLoopDuration.String(), "Go duration >= 1s"))
 	}
 	// Notifications only announce heads due within 5 s (see the migration),
 	// so a loop must never sleep longer than that without looking.
 	if c.PollInterval < 10*time.Millisecond || c.PollInterval > 5*time.Second {
-		errs = append(errs, bad("POLL_INTERVAL", c.PollInterval.String(), "Go duration, 10ms..5s"))
+		errs = append(errs, c.bad("POLL_INTERVAL", c.PollInterval.String(), "Go duration, 10ms..5s"))
 	}
 
 	var err error
 	if c.targets, err = deferral.ParseTargetPatterns(c.TargetTopics); err != nil {
-		errs = append(errs, bad("TARGET_TOPICS", c.TargetTopics, "comma-separated path.Match globs, e.g. orders.*,payments.retry", err))
+		errs = append(errs, c.bad("TARGET_TOPICS", c.TargetTopics, "comma-separated path.Match globs, e.g. orders.*,payments.retry", err))
 	}
 	if !deferral.ValidTopic(c.DeferTopic) {
-		errs = append(errs, bad("DEFER_TOPIC", c.DeferTopic, "Kafka topic name: 1-249 of [a-zA-Z0-9._-]"))
+		errs = append(errs, c.bad("DEFER_TOPIC", c.DeferTopic, "Kafka topic name: 1-249 of [a-zA-Z0-9._-]"))
 	}
 	if strings.TrimSpace(c.ConsumerGroup) == "" {
-		errs = append(errs, bad("CONSUMER_GROUP", c.ConsumerGroup, "non-empty consumer group id"))
+		errs = append(errs, c.bad("CONSUMER_GROUP", c.ConsumerGroup, "non-empty consumer group id"))
 	}
 	for _, b := range c.KafkaBrokers {
 		if _, _, err := net.SplitHostPort(strings.TrimSpace(b)); err != nil {
-			errs = append(errs, bad("KAFKA_BROKERS", strings.Join(c.KafkaBrokers, ","), "comma-separated host:port list", err))
+			errs = append(errs, c.bad("KAFKA_BROKERS", strings.Join(c.KafkaBrokers, ","), "comma-separated host:port list", err))
 			break
 		}
 	}
 	if _, _, err := net.SplitHostPort(c.HTTPAddr); err != nil {
-		errs = append(errs, bad("HTTP_ADDR", c.HTTPAddr, "host:port, e.g. :8080", err))
+		errs = append(errs, c.bad("HTTP_ADDR", c.HTTPAddr, "host:port, e.g. :8080", err))
 	}
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":
 	default:
-		errs = append(errs, bad("LOG_LEVEL", c.LogLevel, "debug, info, warn or error"))
+		errs = append(errs, c.bad("LOG_LEVEL", c.LogLevel, "debug, info, warn or error"))
 	}
 	switch c.LogFormat {
 	case "text", "json":
 	default:
-		errs = append(errs, bad("LOG_FORMAT", c.LogFormat, "text or json"))
+		errs = append(errs, c.bad("LOG_FORMAT", c.LogFormat, "text or json"))
 	}
-	if kc, err := c.kafka().Config(); err != nil {
+	kafkaOK := true
+	if _, err := sarama.ParseKafkaVersion(c.KafkaVersion); err != nil {
+		errs = append(errs, c.bad("KAFKA_VERSION", c.KafkaVersion, "Kafka version, e.g. 3.6.0"))
+		kafkaOK = false
+	}
+	if c.KafkaSASLMechanism != "" && !slices.Contains(kafkaclient.SASLMechanisms, c.KafkaSASLMechanism) {
+		errs = append(errs, c.bad("KAFKA_SASL_MECHANISM", c.KafkaSASLMechanism, "empty, PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512"))
+		kafkaOK = false
+	} else if c.KafkaSASLMechanism != "" && c.KafkaSASLUser == "" {
+		errs = append(errs, fmt.Errorf("KAFKA_SASL_USER is not set: KAFKA_SASL_MECHANISM=%s needs a user", c.KafkaSASLMechanism))
+		kafkaOK = false
+	}
+	if (c.KafkaTLSCertFile == "") != (c.KafkaTLSKeyFile == "") {
+		errs = append(errs, fmt.Errorf("KAFKA_TLS_CERT_FILE=%q and KAFKA_TLS_KEY_FILE=%q: set both together for mutual TLS, or neither",
+			c.KafkaTLSCertFile, c.KafkaTLSKeyFile))
+		kafkaOK = false
+	}
+	for _, f := range []struct{ name, path string }{
+		{"KAFKA_TLS_CA_FILE", c.KafkaTLSCAFile}, {"KAFKA_TLS_CERT_FILE", c.KafkaTLSCertFile}, {"KAFKA_TLS_KEY_FILE", c.KafkaTLSKeyFile},
+	} {
+		if f.path == "" {
+			continue
+		}
+		if _, err := os.Stat(f.path); err != nil {
+			errs = append(errs, c.bad(f.name, f.path, "path to a readable PEM file", err))
+			kafkaOK = false
+		}
+	}
+	if !kafkaOK {
+		// Already reported by variable.
+	} else if kc, err := c.kafka().Config(); err != nil {
 		errs = append(errs, fmt.Errorf("KAFKA_* settings: %w", err))
 	} else if limit := dispatch.MaxPublishDuration(dispatch.ProducerConfig(kc)); c.LeaseDuration <= limit {
-		errs = append(errs, bad("LEASE_DURATION", c.LeaseDuration.String(),
+		errs = append(errs, c.bad("LEASE_DURATION", c.LeaseDuration.String(),
 			fmt.Sprintf("Go duration longer than the longest publish with KAFKA_TIMEOUT=%v, which is %v", c.KafkaTimeout, limit)))
 	}
 	return errors.Join(errs...)

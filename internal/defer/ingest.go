@@ -46,6 +46,9 @@ type Ingester struct {
 	now    func() time.Time
 
 	joined atomic.Bool
+	// from holds, for the current session, the next offset already stored
+	// per partition; set in Setup before any claim runs, read-only after.
+	from map[int32]int64
 	// stored and rejected count rows written since start.
 	stored, rejected, duplicates atomic.Int64
 
@@ -102,8 +105,22 @@ func (in *Ingester) Run(ctx context.Context) error {
 	return nil
 }
 
-// Setup implements sarama.ConsumerGroupHandler.
-func (in *Ingester) Setup(sarama.ConsumerGroupSession) error {
+// Setup implements sarama.ConsumerGroupHandler. It starts each claimed
+// partition after the last record stored in Postgres, which may be ahead of
+// the group's committed offset (a crash after the rows committed and before
+// the offsets did): those records may already be dispatched and deleted, so
+// the unique source coordinates alone would not keep them from being stored
+// again.
+func (in *Ingester) Setup(sess sarama.ConsumerGroupSession) error {
+	parts := sess.Claims()[in.cfg.Topic]
+	from, err := in.store.Offsets(sess.Context(), in.cfg.Topic, parts)
+	if err != nil {
+		return err
+	}
+	for p, next := range from {
+		sess.MarkOffset(in.cfg.Topic, p, next, "")
+	}
+	in.from = from
 	in.joined.Store(true)
 	return nil
 }
@@ -138,6 +155,9 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 		case msg, ok := <-claim.Messages():
 			if !ok {
 				return flush(finalContext(ctx))
+			}
+			if next, ok := in.from[msg.Partition]; ok && msg.Offset < next {
+				continue // stored before; see Setup
 			}
 			if len(batch) == 0 {
 				linger.Reset(in.cfg.BatchLinger)

@@ -30,10 +30,11 @@ type Store struct {
 func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 
 // Insert stores the entries read from one partition in one statement (so in
-// one transaction) and returns how many were new, and how many of those were
-// rejected. Entries stored before (the same topic, partition and offset) are
-// skipped: replaying a partition after a crash or a rebalance stores nothing
-// twice.
+// one transaction), together with the partition's next offset (the last
+// entry's plus one), and returns how many were new, and how many of those
+// were rejected. Entries stored before (the same topic, partition and offset)
+// are skipped: replaying a partition after a crash or a rebalance stores
+// nothing twice. Entries must be in offset order.
 func (s *Store) Insert(ctx context.Context, topic string, partition int32, entries []Entry) (stored, rejected int64, err error) {
 	if len(entries) == 0 {
 		return 0, 0, nil
@@ -107,10 +108,33 @@ func (s *Store) Insert(ctx context.Context, topic string, partition int32, entri
 	}
 	err = s.pool.QueryRow(ctx, schedsql.IngestInsert, topic, partition,
 		offsets, bizKeys, seqs, targets, runAts, delays, attempts, states, reasons, classes, messages, origins,
-		keys, values, hRecord, hKeys, hValues).Scan(&stored, &rejected)
+		keys, values, hRecord, hKeys, hValues, offsets[n-1]+1).Scan(&stored, &rejected)
 	if err != nil {
 		return 0, 0, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
 			n, topic, partition, offsets[0], offsets[n-1], err)
 	}
 	return stored, rejected, nil
+}
+
+// Offsets returns the next offset to read for each of the given partitions
+// of topic that has been ingested before.
+func (s *Store) Offsets(ctx context.Context, topic string, partitions []int32) (map[int32]int64, error) {
+	rows, err := s.pool.Query(ctx, schedsql.IngestOffsets, topic, partitions)
+	if err != nil {
+		return nil, fmt.Errorf("read ingest offsets of %s: %w", topic, err)
+	}
+	defer rows.Close()
+	out := map[int32]int64{}
+	for rows.Next() {
+		var p int32
+		var next int64
+		if err := rows.Scan(&p, &next); err != nil {
+			return nil, fmt.Errorf("read ingest offsets of %s: %w", topic, err)
+		}
+		out[p] = next
+	}
+	if err := rows.Err(); err != nil {
+		return nil, fmt.Errorf("read ingest offsets of %s: %w", topic, err)
+	}
+	return out, nil
 }

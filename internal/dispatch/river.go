@@ -15,6 +15,7 @@ import (
 	"github.com/riverqueue/river/rivertype"
 
 	"github.com/deferq/scheduler/internal/keylock"
+	schedsql "github.com/deferq/scheduler/sql"
 )
 
 // River queues the service uses.
@@ -25,9 +26,10 @@ const (
 
 // LoopArgs is the River job that runs one dispatch loop slot for a bounded
 // time. Each run inserts its successor in the transaction that completes it,
-// so a slot is always either running or waiting to run; if the process
-// running it dies, River's rescuer retries it once its timeout has passed,
-// while the other slots keep claiming. This is deliberately not one job per
+// so a slot is always either running or waiting to run. If the process
+// running it dies, the live processes notice within seconds (heartbeats in
+// scheduler_instance), discard its job and re-create the slot, while the other
+// slots keep claiming; River's rescuer remains the backstop. This is deliberately not one job per
 // message: River's scheduled-job precision (5 s) and per-job overhead would
 // cap both lateness and throughput.
 type LoopArgs struct {
@@ -54,9 +56,9 @@ func (LoopArgs) InsertOpts() river.InsertOpts {
 	}
 }
 
-// MaintenanceArgs is the periodic housekeeping job: sweep expired leases and
-// re-create any loop slot that went missing (a run discarded after too many
-// failures, say).
+// MaintenanceArgs is the periodic housekeeping job: sweep expired leases,
+// forget long-dead processes, and re-create any loop slot that went missing
+// (a run discarded after too many failures, say).
 type MaintenanceArgs struct{}
 
 // Kind implements river.JobArgs.
@@ -101,6 +103,9 @@ type Runtime struct {
 
 	stop     chan struct{}
 	stopOnce sync.Once
+	// liveness stops the heartbeat goroutine; done says it has returned.
+	liveness     context.CancelFunc
+	livenessDone chan struct{}
 
 	afterPublish func() error // test hook, see Dispatcher
 }
@@ -154,14 +159,87 @@ func NewRuntime(pool *pgxpool.Pool, producer Producer, waker *Waker, cfg Runtime
 	return rt, nil
 }
 
+// loopTimeout bounds one loop run: its duration plus one last round, whose
+// publish ends within a lease.
 func (rt *Runtime) loopTimeout() time.Duration {
 	return rt.cfg.LoopDuration + rt.cfg.Lease + 15*time.Second
 }
 
-// Start starts River and makes sure every loop slot exists.
+// Liveness timing: a process heartbeats every heartbeatEvery; one silent for
+// staleAfter is taken for dead and its dispatch loops are reaped.
+const (
+	heartbeatEvery = time.Second
+	staleAfter     = 5 * time.Second
+)
+
+// Start registers this process as alive, starts River, reaps loops of dead
+// processes and makes sure every loop slot exists.
 func (rt *Runtime) Start(ctx context.Context) error {
+	if _, err := rt.pool.Exec(ctx, schedsql.InstanceHeartbeat, rt.client.ID()); err != nil {
+		return fmt.Errorf("register instance: %w", err)
+	}
 	if err := rt.client.Start(ctx); err != nil {
 		return fmt.Errorf("start river: %w", err)
+	}
+	if err := rt.reap(ctx); err != nil {
+		return err
+	}
+	if err := rt.EnsureLoops(ctx); err != nil {
+		return err
+	}
+	lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	rt.liveness, rt.livenessDone = cancel, make(chan struct{})
+	go rt.heartbeat(lctx)
+	return nil
+}
+
+// heartbeat keeps this process marked alive and, every few beats, reaps the
+// loops of processes that stopped beating.
+func (rt *Runtime) heartbeat(ctx context.Context) {
+	defer close(rt.livenessDone)
+	t := time.NewTicker(heartbeatEvery)
+	defer t.Stop()
+	for beat := 1; ; beat++ {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if _, err := rt.pool.Exec(ctx, schedsql.InstanceHeartbeat, rt.client.ID()); err != nil && ctx.Err() == nil {
+			rt.logger.Warn("heartbeat failed", "error", err)
+			continue
+		}
+		if beat%2 == 0 {
+			if err := rt.reap(ctx); err != nil && ctx.Err() == nil {
+				rt.logger.Warn("reaping loops of dead processes failed", "error", err)
+			}
+		}
+	}
+}
+
+// reap discards loop jobs held by processes that stopped heartbeating and,
+// if there were any, re-creates their slots.
+func (rt *Runtime) reap(ctx context.Context) error {
+	rows, err := rt.pool.Query(ctx, schedsql.DispatchReapLoops, LoopArgs{}.Kind(), staleAfter)
+	if err != nil {
+		return fmt.Errorf("reap dispatch loops: %w", err)
+	}
+	var reaped int
+	for rows.Next() {
+		var id int64
+		var holder *string
+		if err := rows.Scan(&id, &holder); err != nil {
+			rows.Close()
+			return fmt.Errorf("reap dispatch loops: %w", err)
+		}
+		reaped++
+		rt.logger.Warn("reaped dispatch loop of a process that stopped heartbeating", "job", id, "holder", holder)
+	}
+	if err := rows.Err(); err != nil {
+		return fmt.Errorf("reap dispatch loops: %w", err)
+	}
+	if reaped == 0 {
+		return nil
 	}
 	return rt.EnsureLoops(ctx)
 }
@@ -185,6 +263,13 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 	rt.stopOnce.Do(func() { close(rt.stop) })
 	if err := rt.client.Stop(ctx); err != nil {
 		return fmt.Errorf("stop river: %w", err)
+	}
+	if rt.liveness != nil {
+		rt.liveness()
+		<-rt.livenessDone
+	}
+	if _, err := rt.pool.Exec(ctx, schedsql.InstanceLeave, rt.client.ID()); err != nil {
+		return fmt.Errorf("deregister instance: %w", err)
 	}
 	return nil
 }
@@ -248,6 +333,9 @@ func (w *maintenanceWorker) Work(ctx context.Context, _ *river.Job[MaintenanceAr
 	swept, err := keylock.SweepExpired(ctx, w.rt.pool)
 	if swept > 0 {
 		w.rt.logger.Info("released expired leases", "keys", swept)
+	}
+	if _, perr := w.rt.pool.Exec(ctx, schedsql.InstancePrune); perr != nil {
+		err = errors.Join(err, fmt.Errorf("prune instances: %w", perr))
 	}
 	return errors.Join(err, w.rt.EnsureLoops(ctx))
 }

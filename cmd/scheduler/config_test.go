@@ -1,0 +1,440 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"reflect"
+	"regexp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// validEnv is a complete configuration for run, with nothing listening at
+// its addresses: a case that ought to fail validation but does not makes run
+// fail to connect (exit 1) rather than hang or pass.
+var validEnv = []string{
+	"DATABASE_URL=postgres://u:p@127.0.0.1:1/db?connect_timeout=2",
+	"KAFKA_BROKERS=127.0.0.1:1",
+}
+
+// withEnv returns validEnv with extra appended (later wins, as in loadConfig).
+func withEnv(extra ...string) []string {
+	return append(slices.Clone(validEnv), extra...)
+}
+
+func TestConfigDefaults(t *testing.T) {
+	cfg, err := loadConfig(nil)
+	if err != nil {
+		t.Fatalf("loadConfig(nil): %v", err)
+	}
+	documented := map[string]string{}
+	for _, v := range envVars() {
+		documented[v.Name] = v.Default
+	}
+	tests := []struct {
+		name string // variable
+		def  string // its documented default
+		got  any    // the loaded value
+		want any
+	}{
+		{"DEFER_TOPIC", "scheduler.defer", cfg.DeferTopic, "scheduler.defer"},
+		{"CONSUMER_GROUP", "defer-scheduler", cfg.ConsumerGroup, "defer-scheduler"},
+		{"TARGET_TOPICS", "", cfg.TargetTopics, ""},
+		{"HTTP_ADDR", ":8080", cfg.HTTPAddr, ":8080"},
+		{"MAX_DELAY", "720h", cfg.MaxDelay, 720 * time.Hour},
+		{"INGEST_BATCH_SIZE", "1000", cfg.IngestBatchSize, 1000},
+		{"DISPATCH_LOOPS", "4", cfg.DispatchLoops, 4},
+		{"LEASE_DURATION", "90s", cfg.LeaseDuration, 90 * time.Second},
+		{"POLL_INTERVAL", "1s", cfg.PollInterval, time.Second},
+		{"LISTEN_NOTIFY", "true", cfg.ListenNotify, true},
+		{"KAFKA_TIMEOUT", "5s", cfg.KafkaTimeout, 5 * time.Second},
+		{"KAFKA_TLS", "false", cfg.KafkaTLS, false},
+		{"KAFKA_SASL_MECHANISM", "", cfg.KafkaSASLMechanism, ""},
+		{"LOG_LEVEL", "info", cfg.LogLevel, "info"},
+		{"LOG_FORMAT", "text", cfg.LogFormat, "text"},
+		{"SHUTDOWN_TIMEOUT", "30s", cfg.ShutdownTimeout, 30 * time.Second},
+		{"DATABASE_URL", "", cfg.DatabaseURL, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if !reflect.DeepEqual(tt.got, tt.want) {
+				t.Errorf("loaded %v, want %v", tt.got, tt.want)
+			}
+			if d, ok := documented[tt.name]; !ok || d != tt.def {
+				t.Errorf("envVars() default %q (listed: %v), want %q", d, ok, tt.def)
+			}
+		})
+	}
+	if cfg.KafkaBrokers != nil {
+		t.Errorf("KAFKA_BROKERS default %q, want none", cfg.KafkaBrokers)
+	}
+	// TARGET_TOPICS empty allows no topic at all (DESIGN.md section 6).
+	for _, topic := range []string{"payments.retry", "scheduler.defer", ""} {
+		if cfg.targets.Allows(topic) {
+			t.Errorf("default TARGET_TOPICS allows %q", topic)
+		}
+	}
+
+	// run needs the database and the brokers; nothing else does.
+	err = cfg.requireRun()
+	if err == nil {
+		t.Fatal("requireRun on the defaults: no error")
+	}
+	for _, name := range []string{"DATABASE_URL", "KAFKA_BROKERS"} {
+		if !strings.Contains(err.Error(), name) {
+			t.Errorf("requireRun error does not name %s:\n%v", name, err)
+		}
+	}
+	full, err := loadConfig(validEnv)
+	if err != nil {
+		t.Fatalf("loadConfig(%q): %v", validEnv, err)
+	}
+	if err := full.requireRun(); err != nil {
+		t.Errorf("requireRun with %q: %v", validEnv, err)
+	}
+}
+
+// TestEnvVarsDocumented checks that every field read from the environment is
+// listed with a form and a help text, and that each documented default is
+// itself a value the configuration accepts.
+func TestEnvVarsDocumented(t *testing.T) {
+	fields := 0
+	ct := reflect.TypeFor[config]()
+	for i := range ct.NumField() {
+		if ct.Field(i).Tag.Get("env") != "" {
+			fields++
+		}
+	}
+	vars := envVars()
+	if len(vars) != fields || fields == 0 {
+		t.Errorf("envVars() lists %d variables, config has %d env fields", len(vars), fields)
+	}
+	seen := map[string]bool{}
+	for _, v := range vars {
+		t.Run(v.Name, func(t *testing.T) {
+			if seen[v.Name] {
+				t.Errorf("%s listed twice", v.Name)
+			}
+			seen[v.Name] = true
+			if !regexp.MustCompile(`^[A-Z][A-Z0-9_]*$`).MatchString(v.Name) {
+				t.Errorf("name %q is not an upper-case variable name", v.Name)
+			}
+			if v.Form == "" || v.Help == "" {
+				t.Errorf("form %q, help %q: both must be set (--help and errors print them)", v.Form, v.Help)
+			}
+			if v.Default != "" {
+				if _, err := loadConfig([]string{v.Name + "=" + v.Default}); err != nil {
+					t.Errorf("%s=%s, its own default, is rejected: %v", v.Name, v.Default, err)
+				}
+			}
+		})
+	}
+}
+
+func TestConfigRejectsBadValues(t *testing.T) {
+	tests := []struct {
+		name string
+		env  []string // on top of validEnv
+		// vars: the error names at least one of these (the Kafka client
+		// settings are checked together and reported as KAFKA_*).
+		vars []string
+		// want: the error contains all of these: the value, and what is
+		// accepted.
+		want []string
+	}{
+		{"duration unparsable", []string{"MAX_DELAY=abc"}, []string{"MAX_DELAY"},
+			[]string{`MAX_DELAY="abc"`, "Go duration"}},
+		{"duration negative", []string{"MAX_DELAY=-1s"}, []string{"MAX_DELAY"},
+			[]string{`MAX_DELAY="-1s"`, "positive", "Go duration"}},
+		{"integer below range", []string{"INGEST_BATCH_SIZE=0"}, []string{"INGEST_BATCH_SIZE"},
+			[]string{`INGEST_BATCH_SIZE="0"`, "integer 1..100000"}},
+		{"integer unparsable", []string{"INGEST_BATCH_SIZE=x"}, []string{"INGEST_BATCH_SIZE"},
+			[]string{`INGEST_BATCH_SIZE="x"`, "integer 1..100000"}},
+		{"integer above range", []string{"DB_MAX_CONNS=5000"}, []string{"DB_MAX_CONNS"},
+			[]string{`DB_MAX_CONNS="5000"`, "integer 4..1000"}},
+		{"dispatch loops zero", []string{"DISPATCH_LOOPS=0"}, []string{"DISPATCH_LOOPS"},
+			[]string{`DISPATCH_LOOPS="0"`, "integer 1..256"}},
+		{"poll interval too long", []string{"POLL_INTERVAL=10s"}, []string{"POLL_INTERVAL"},
+			[]string{`POLL_INTERVAL="10s"`, "10ms..5s"}},
+		{"poll interval too short", []string{"POLL_INTERVAL=1ms"}, []string{"POLL_INTERVAL"},
+			[]string{`POLL_INTERVAL="1ms"`, "10ms..5s"}},
+		{"target pattern malformed", []string{"TARGET_TOPICS=payments.*,orders.["}, []string{"TARGET_TOPICS"},
+			[]string{`"orders.["`, "path.Match"}},
+		{"defer topic name", []string{"DEFER_TOPIC=bad topic!"}, []string{"DEFER_TOPIC"},
+			[]string{`DEFER_TOPIC="bad topic!"`, "[a-zA-Z0-9._-]"}},
+		{"broker without port", []string{"KAFKA_BROKERS=kafka:9092,nohostport"}, []string{"KAFKA_BROKERS"},
+			[]string{"nohostport", "host:port"}},
+		{"http address without port", []string{"HTTP_ADDR=nocolon"}, []string{"HTTP_ADDR"},
+			[]string{`HTTP_ADDR="nocolon"`, "host:port"}},
+		{"log level", []string{"LOG_LEVEL=loud"}, []string{"LOG_LEVEL"},
+			[]string{`LOG_LEVEL="loud"`, "debug, info, warn or error"}},
+		{"log format", []string{"LOG_FORMAT=xml"}, []string{"LOG_FORMAT"},
+			[]string{`LOG_FORMAT="xml"`, "text or json"}},
+		{"boolean", []string{"LISTEN_NOTIFY=maybe"}, []string{"LISTEN_NOTIFY"},
+			[]string{`LISTEN_NOTIFY="maybe"`, "true or false"}},
+		{"kafka timeout too short", []string{"KAFKA_TIMEOUT=1ms"}, []string{"KAFKA_TIMEOUT"},
+			[]string{`KAFKA_TIMEOUT="1ms"`, "100ms..1m"}},
+		{"lease shorter than a publish", []string{"LEASE_DURATION=1s"}, []string{"LEASE_DURATION"},
+			[]string{`LEASE_DURATION="1s"`, "longer than", "KAFKA_TIMEOUT"}},
+		// The default lease (90s) outlasts a publish at the default
+		// KAFKA_TIMEOUT (5s: 75.5s), not at 10s (150.5s).
+		{"lease too short for the kafka timeout", []string{"KAFKA_TIMEOUT=10s"}, []string{"LEASE_DURATION"},
+			[]string{`LEASE_DURATION="1m30s"`, "longer than", "KAFKA_TIMEOUT=10s"}},
+		{"dispatch loop duration", []string{"DISPATCH_LOOP_DURATION=500ms"}, []string{"DISPATCH_LOOP_DURATION"},
+			[]string{`DISPATCH_LOOP_DURATION="500ms"`, ">= 1s"}},
+		{"empty consumer group", []string{"CONSUMER_GROUP= "}, []string{"CONSUMER_GROUP"},
+			[]string{"non-empty"}},
+		// The Kafka client settings are checked together by kafkaclient,
+		// whose errors are reported as "KAFKA_* settings: ..." and name
+		// neither the precise variable nor, for KAFKA_VERSION and the TLS
+		// files, the accepted form. The precise name is accepted too.
+		{"sasl mechanism", []string{"KAFKA_SASL_MECHANISM=GSSAPI"}, []string{"KAFKA_SASL_MECHANISM", "KAFKA_*"},
+			[]string{"GSSAPI", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}},
+		{"sasl without user", []string{"KAFKA_SASL_MECHANISM=PLAIN"}, []string{"KAFKA_SASL_USER", "KAFKA_*"},
+			[]string{"PLAIN", "user"}},
+		{"kafka version", []string{"KAFKA_VERSION=banana"}, []string{"KAFKA_VERSION", "KAFKA_*"},
+			[]string{"banana"}},
+		{"tls ca file missing", []string{"KAFKA_TLS=true", "KAFKA_TLS_CA_FILE=/nonexistent"}, []string{"KAFKA_TLS_CA_FILE", "KAFKA_*"},
+			[]string{"/nonexistent"}},
+		{"tls cert without key", []string{"KAFKA_TLS=true", "KAFKA_TLS_CERT_FILE=/nonexistent.pem"}, []string{"KAFKA_TLS_KEY_FILE", "KAFKA_*"},
+			[]string{"/nonexistent.pem", "together"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			env := withEnv(tt.env...)
+			check := func(where, msg string) {
+				t.Helper()
+				if !slices.ContainsFunc(tt.vars, func(v string) bool { return strings.Contains(msg, v) }) {
+					t.Errorf("%s does not name %s:\n%s", where, strings.Join(tt.vars, " or "), msg)
+				}
+				for _, w := range tt.want {
+					if !strings.Contains(msg, w) {
+						t.Errorf("%s lacks %q:\n%s", where, w, msg)
+					}
+				}
+			}
+
+			_, err := loadConfig(env)
+			if err == nil {
+				t.Fatalf("loadConfig(%q): no error", env)
+			}
+			check("loadConfig error", err.Error())
+
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			var stdout, stderr bytes.Buffer
+			if code := run(ctx, []string{"run"}, env, &stdout, &stderr); code != 2 {
+				t.Errorf("run: exit %d, want 2 (configuration error)\nstderr:\n%s", code, stderr.String())
+			}
+			check("run's stderr", stderr.String())
+			if stdout.Len() > 0 {
+				t.Errorf("run wrote to stdout:\n%s", stdout.String())
+			}
+		})
+	}
+	// The cases above fail for their own variable only.
+	if _, err := loadConfig(validEnv); err != nil {
+		t.Fatalf("loadConfig(%q): %v", validEnv, err)
+	}
+}
+
+// TestConfigReportsEveryProblem checks that one attempt reports every bad
+// variable, each once, whether its value does not parse or parses but is
+// out of range.
+func TestConfigReportsEveryProblem(t *testing.T) {
+	tests := []struct {
+		name string
+		env  []string
+		bad  []string // variables that must each be reported once
+	}{
+		{"unparsable values", []string{"MAX_DELAY=abc", "INGEST_BATCH_SIZE=x", "LISTEN_NOTIFY=maybe"},
+			[]string{"MAX_DELAY", "INGEST_BATCH_SIZE", "LISTEN_NOTIFY"}},
+		{"values out of range", []string{"LOG_LEVEL=loud", "LOG_FORMAT=xml", "POLL_INTERVAL=10s", "DISPATCH_LOOPS=0", "HTTP_ADDR=nocolon"},
+			[]string{"LOG_LEVEL", "LOG_FORMAT", "POLL_INTERVAL", "DISPATCH_LOOPS", "HTTP_ADDR"}},
+		{"both kinds", []string{"MAX_DELAY=abc", "DISPATCH_WORKERS=many", "LOG_LEVEL=loud", "DEFER_TOPIC=a b"},
+			[]string{"MAX_DELAY", "DISPATCH_WORKERS", "LOG_LEVEL", "DEFER_TOPIC"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := loadConfig(withEnv(tt.env...))
+			if err == nil {
+				t.Fatal("no error")
+			}
+			lines := strings.Split(err.Error(), "\n")
+			for _, name := range tt.bad {
+				n := 0
+				for _, l := range lines {
+					if strings.HasPrefix(l, name+"=") {
+						n++
+					}
+				}
+				if n != 1 {
+					t.Errorf("%s reported %d times, want once:\n%v", name, n, err)
+				}
+			}
+		})
+	}
+}
+
+// TestConfigREADMETable checks that README.md documents every variable with
+// its default, in a markdown table row such as
+//
+//	| `MAX_DELAY` | `720h` | longest delay ... |
+//
+// A variable without a default shows an empty cell or a dash.
+func TestConfigREADMETable(t *testing.T) {
+	data, err := os.ReadFile(filepath.Join(repoRoot, "README.md"))
+	if err != nil {
+		t.Fatalf("README.md must document the configuration: %v", err)
+	}
+	rows := readmeTables(string(data))
+	vars := envVars()
+	known := map[string]bool{}
+	for _, v := range vars {
+		known[v.Name] = true
+	}
+	for _, v := range vars {
+		var seen []string
+		ok := false
+		for _, table := range rows {
+			for _, r := range table {
+				if len(r) < 2 || !strings.Contains(r[0], "`"+v.Name+"`") {
+					continue
+				}
+				seen = append(seen, r[1])
+				ok = ok || sameDefault(r[1], v.Default)
+			}
+		}
+		switch {
+		case len(seen) == 0:
+			t.Errorf("README.md has no table row for %s (want | `%s` | `%s` | ...)", v.Name, v.Name, v.Default)
+		case !ok:
+			t.Errorf("README.md gives %s the default %q, want %q", v.Name, seen, orDefault(v.Default, "-"))
+		}
+	}
+	// A table that documents variables documents only real ones.
+	name := regexp.MustCompile("^`([A-Z][A-Z0-9_]+)`")
+	for _, table := range rows {
+		var listed []string
+		documents := false
+		for _, r := range table {
+			if m := name.FindStringSubmatch(r[0]); m != nil {
+				listed = append(listed, m[1])
+				documents = documents || known[m[1]]
+			}
+		}
+		if !documents {
+			continue
+		}
+		for _, n := range listed {
+			if !known[n] {
+				t.Errorf("README.md documents %s, which the scheduler does not read", n)
+			}
+		}
+	}
+}
+
+// sameDefault reports whether a README cell shows def.
+func sameDefault(cell, def string) bool {
+	cell = strings.TrimSpace(strings.ReplaceAll(cell, "`", ""))
+	if def == "" {
+		switch cell {
+		case "", "-", "—", "–", "(none)", "none":
+			return true
+		}
+		return false
+	}
+	return cell == def
+}
+
+// readmeTables returns the markdown tables of a document: each a list of
+// rows, each a list of trimmed cells. Separator rows (|---|---|) are left
+// out. A | inside `code` or escaped as \| does not split cells.
+func readmeTables(doc string) [][][]string {
+	var tables [][][]string
+	var cur [][]string
+	sep := regexp.MustCompile(`^:?-+:?$`)
+	for _, line := range strings.Split(doc, "\n") {
+		line = strings.TrimSpace(line)
+		if !strings.HasPrefix(line, "|") {
+			if cur != nil {
+				tables = append(tables, cur)
+				cur = nil
+			}
+			continue
+		}
+		cells := splitRow(line)
+		if slices.ContainsFunc(cells, func(c string) bool { return !sep.MatchString(c) }) {
+			cur = append(cur, cells)
+		}
+	}
+	if cur != nil {
+		tables = append(tables, cur)
+	}
+	return tables
+}
+
+func splitRow(line string) []string {
+	line = strings.TrimPrefix(line, "|")
+	var cells []string
+	var cell strings.Builder
+	code := false
+	for i := 0; i < len(line); i++ {
+		switch c := line[i]; {
+		case c == '\\' && i+1 < len(line) && line[i+1] == '|':
+			cell.WriteByte('|')
+			i++
+		case c == '`':
+			code = !code
+			cell.WriteByte(c)
+		case c == '|' && !code:
+			cells = append(cells, strings.TrimSpace(cell.String()))
+			cell.Reset()
+		default:
+			cell.WriteByte(c)
+		}
+	}
+	if rest := strings.TrimSpace(cell.String()); rest != "" {
+		cells = append(cells, rest)
+	}
+	return cells
+}
+
+func TestConfigREADMEParser(t *testing.T) {
+	doc := "text | not a table\n\n" +
+		"| Variable | Default | Meaning |\n" +
+		"|:--|--:|---|\n" +
+		"| `A_B` | `x` | uses `a|b` and \\| here |\n" +
+		"|`C`|—|\n" +
+		"\n| `D` | |\n"
+	want := [][][]string{
+		{{"Variable", "Default", "Meaning"}, {"`A_B`", "`x`", "uses `a|b` and | here"}, {"`C`", "—"}},
+		{{"`D`", ""}},
+	}
+	if got := readmeTables(doc); !reflect.DeepEqual(got, want) {
+		t.Errorf("readmeTables:\n got %q\nwant %q", got, want)
+	}
+	tests := []struct {
+		cell, def string
+		want      bool
+	}{
+		{"`720h`", "720h", true},
+		{" 720h ", "720h", true},
+		{"`168h`", "720h", false},
+		{"", "720h", false},
+		{"—", "", true},
+		{"–", "", true},
+		{"-", "", true},
+		{"", "", true},
+		{"`x`", "", false},
+	}
+	for _, tt := range tests {
+		if got := sameDefault(tt.cell, tt.def); got != tt.want {
+			t.Errorf("sameDefault(%q, %q) = %v, want %v", tt.cell, tt.def, got, tt.want)
+		}
+	}
+}
