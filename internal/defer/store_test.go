@@ -679,3 +679,34 @@ func TestStoreRejectedHeaderKeys(t *testing.T) {
 		})
 	}
 }
+
+// The partition's next offset is stored with its rows, and only moves forward.
+func TestStoreOffsets(t *testing.T) {
+	db := pgtest.NewDB(t)
+	store := NewStore(db.Pool)
+	ctx := context.Background()
+	entries := func(from, to int64) []Entry {
+		var es []Entry
+		for o := from; o <= to; o++ {
+			es = append(es, Entry{Offset: o, Record: Record{Value: []byte("v")},
+				Schedule: Schedule{Target: "orders.retry", Delay: time.Hour}})
+		}
+		return es
+	}
+	if _, _, err := store.Insert(ctx, storeTopic, 2, entries(5, 9)); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := store.Insert(ctx, storeTopic, 2, entries(0, 3)); err != nil {
+		t.Fatal(err)
+	}
+	got, err := store.Offsets(ctx, storeTopic, []int32{1, 2, 3})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 1 || got[2] != 10 {
+		t.Fatalf("Offsets = %v, want map[2:10] (partitions never ingested are absent; an older batch does not move it back)", got)
+	}
+	if other, err := store.Offsets(ctx, "other.topic", []int32{2}); err != nil || len(other) != 0 {
+		t.Fatalf("Offsets of another topic = %v, %v; want none", other, err)
+	}
+}

@@ -385,3 +385,60 @@ func TestPollingAloneIsCorrect(t *testing.T) {
 	}
 	mustEqual(t, "first out", string(got[0].Value), "unordered")
 }
+
+// A loop job left running by a process that died (no heartbeat) is reaped
+// at start-up and its slot re-created, instead of blocking the slot until
+// River's rescuer gets to it.
+func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	ctx := context.Background()
+	newRuntime := func() *Runtime {
+		rt, err := NewRuntime(e.pool, e.producer, nil, RuntimeConfig{
+			Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+			MaintenanceInterval: time.Hour,
+			Dispatch:            Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: allowAll},
+		}, testLogger(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rt
+	}
+	// The slot's job, as a process that then died would have left it.
+	if _, err := newRuntime().client.Insert(ctx, LoopArgs{Slot: 0}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now(),
+		attempted_by = ARRAY['dead-process'] WHERE kind = $1`, LoopArgs{}.Kind()); err != nil {
+		t.Fatal(err)
+	}
+	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("v")})
+
+	rt := newRuntime()
+	if err := rt.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Stop(ctx)
+	col.wait(t, 1, 10*time.Second)
+	var state string
+	if err := e.pool.QueryRow(ctx, "SELECT state FROM river_job WHERE 'dead-process' = ANY (attempted_by)").Scan(&state); err != nil {
+		t.Fatal(err)
+	}
+	mustEqual(t, "state of the dead process's loop", state, "discarded")
+	var alive bool
+	if err := e.pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM scheduler_instance WHERE id = $1)", rt.client.ID()).Scan(&alive); err != nil {
+		t.Fatal(err)
+	}
+	if !alive {
+		t.Fatal("a running process must be registered in scheduler_instance")
+	}
+	if err := rt.Stop(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM scheduler_instance WHERE id = $1)", rt.client.ID()).Scan(&alive); err != nil {
+		t.Fatal(err)
+	}
+	if alive {
+		t.Fatal("a stopped process must leave scheduler_instance")
+	}
+}
