@@ -6,11 +6,14 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
+	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 
@@ -31,8 +34,9 @@ func cmdDemo(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 		fmt.Fprint(w, `Usage: scheduler demo [flags]
 
 Runs the scheduler end to end with nothing set up: a throwaway PostgreSQL
-cluster from the system's binaries (unless DATABASE_URL is set; installed with
-apt-get when missing and running as root) and an in-process Kafka broker.
+cluster from the system's binaries (installed with apt-get when missing and
+running as root), or DATABASE_URL when set (the demo then works in a schema of
+its own, dropped at the end), and an in-process Kafka broker.
 A scripted scenario shows messages deferred, held, republished in per-key
 order, one expedited with SQL, and one bad record rejected with its reason.
 It ends by itself (about 15 seconds) and removes what it created.
@@ -81,7 +85,20 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 		}()
 		dbURL = cluster.URL("postgres")
 	} else {
-		d.say("using DATABASE_URL (the demo's rows are deleted at the end)")
+		// Never touch the objects of a real deployment: the demo works in a
+		// schema of its own and drops it at the end.
+		schemaURL, drop, err := demoSchema(ctx, dbURL)
+		if err != nil {
+			return err
+		}
+		defer func() {
+			if err := drop(context.WithoutCancel(ctx)); err != nil {
+				fmt.Fprintf(stderr, "scheduler demo: %v\n", err)
+			}
+			d.say("dropped the demo's schema")
+		}()
+		dbURL = schemaURL
+		d.say("using DATABASE_URL, in a schema of the demo's own")
 	}
 
 	broker, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "scheduler.defer", demoTarget))
@@ -114,18 +131,46 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	svcDone := make(chan error, 1)
 	go func() { svcDone <- svc.run(svcCtx) }()
 	scenarioErr := d.scenario(ctx, pool, addr)
-	if lookup(environ, "DATABASE_URL") != "" {
-		// Leave a database we were given as we found it.
-		if _, err := pool.Exec(context.WithoutCancel(ctx), "DELETE FROM deferred_message WHERE business_key LIKE 'demo-%'"); err != nil {
-			scenarioErr = errors.Join(scenarioErr, fmt.Errorf("remove the demo's rows: %w", err))
-		}
-	}
 	stopSvc()
 	if err := errors.Join(scenarioErr, <-svcDone); err != nil {
 		return err
 	}
 	d.say("scheduler stopped cleanly")
 	return nil
+}
+
+// demoSchema creates a schema for the demo in the database at dbURL and
+// returns a URL whose search_path puts the demo's tables (and River's) there,
+// and a function that drops it.
+func demoSchema(ctx context.Context, dbURL string) (string, func(context.Context) error, error) {
+	u, err := url.Parse(dbURL)
+	if err != nil {
+		return "", nil, fmt.Errorf("DATABASE_URL is not a valid URL: %w", err)
+	}
+	conn, err := pgx.Connect(ctx, dbURL)
+	if err != nil {
+		return "", nil, fmt.Errorf("connect to DATABASE_URL: %w", err)
+	}
+	defer conn.Close(ctx)
+	schema := fmt.Sprintf("scheduler_demo_%d", os.Getpid())
+	if _, err := conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		return "", nil, fmt.Errorf("create schema %s for the demo: %w", schema, err)
+	}
+	q := u.Query()
+	q.Set("search_path", schema)
+	u.RawQuery = q.Encode()
+	drop := func(ctx context.Context) error {
+		conn, err := pgx.Connect(ctx, dbURL)
+		if err != nil {
+			return fmt.Errorf("drop schema %s: %w", schema, err)
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, "DROP SCHEMA "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+			return fmt.Errorf("drop schema %s: %w", schema, err)
+		}
+		return nil
+	}
+	return u.String(), drop, nil
 }
 
 func lookup(environ []string, name string) string {
@@ -203,12 +248,14 @@ func (d *demo) scenario(ctx context.Context, pool *pgxpool.Pool, addr string) er
 	d.say("the bad record is kept as 'rejected' with its reason; it is never sent on its own.")
 
 	got := 0
+	var order []string
 	expect := func(n int, within time.Duration) error {
 		deadline := time.After(within)
 		for got < n {
 			select {
 			case m := <-arrivals:
 				got++
+				order = append(order, string(m.Value))
 				d.say("  -> %s: %s  (defer.id=%s defer.attempt=%s)", demoTarget, m.Value, header(m, "defer.id"), header(m, "defer.attempt"))
 			case <-deadline:
 				return fmt.Errorf("only %d of %d messages arrived on %s", got, n, demoTarget)
@@ -221,6 +268,12 @@ func (d *demo) scenario(ctx context.Context, pool *pgxpool.Pool, addr string) er
 	d.say("waiting: #1 goes out at 4s, and #2 and #3 right behind it, in order:")
 	if err := expect(3, 10*time.Second); err != nil {
 		return err
+	}
+	// The demo shows the promise; it also checks it.
+	for i, v := range order {
+		if want := fmt.Sprintf("demo-42 #%d", i+1); !strings.Contains(v, want) {
+			return fmt.Errorf("per-key order broken: arrival %d is %s, want %s", i+1, v, want)
+		}
 	}
 
 	d.say("an operator expedites order demo-7 with plain SQL:")
