@@ -80,7 +80,9 @@ CREATE TABLE deferred_key (
     -- The lease a dispatcher holds while it publishes this key. Not indexed, so
     -- taking and releasing it are HOT updates.
     leased_until timestamptz,
-    leased_by    text
+    leased_by    text,
+    -- Consecutive retriable publish failures; the key's back-off grows with it.
+    failures     int NOT NULL DEFAULT 0
 ) WITH (fillfactor = 70);
 
 CREATE UNIQUE INDEX deferred_key_business_key ON deferred_key (business_key);

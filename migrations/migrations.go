@@ -33,9 +33,9 @@ const lockKey int64 = 0x64656665722d7363
 
 // Migration is one versioned schema change.
 type Migration struct {
-	Version int
-	Name    string
-	SQL     string
+	Version int    // from the file name's NNNN
+	Name    string // from the file name, after the version
+	SQL     string // the file's statements, run in one transaction
 }
 
 var fileName = regexp.MustCompile(`^(\d{4})_([a-z0-9_]+)\.sql$`)
@@ -121,15 +121,8 @@ func Apply(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result
 		if err != nil {
 			return err
 		}
-		known := map[int]bool{}
-		for _, m := range all {
-			known[m.Version] = true
-		}
-		for _, v := range applied {
-			if !known[v] {
-				return fmt.Errorf("%w: it has migration %d, this binary knows up to %d; run a newer release",
-					ErrSchemaTooNew, v, all[len(all)-1].Version)
-			}
+		if err := checkKnown(all, applied); err != nil {
+			return err
 		}
 		for _, m := range all {
 			if slices.Contains(applied, m.Version) {
@@ -148,49 +141,62 @@ func Apply(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result
 	return res, err
 }
 
-// Querier is what Pending needs: a pool, a connection or a transaction.
-type Querier interface {
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
-
-// Pending returns the migrations this binary has that the database lacks. A
-// service refuses to run while any are pending, and also when the database is
-// newer than the binary (ErrSchemaTooNew).
-func Pending(ctx context.Context, db Querier) ([]Migration, error) {
+// Pending returns the migrations this binary has that the database lacks,
+// and how many of River's it lacks. A service refuses to run while any are
+// pending, and also when the database is newer than the binary
+// (ErrSchemaTooNew).
+func Pending(ctx context.Context, pool *pgxpool.Pool) (ours []Migration, river int, err error) {
 	all, err := All()
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
+	migrator, err := rivermigrate.New(riverpgxv5.New(pool), nil)
+	if err != nil {
+		return nil, 0, fmt.Errorf("river migrator: %w", err)
+	}
+	existing, err := migrator.ExistingVersions(ctx)
+	if err != nil {
+		return nil, 0, fmt.Errorf("read River's applied migrations: %w", err)
+	}
+	river = max(len(migrator.AllVersions())-len(existing), 0)
+
 	var exists bool
-	if err := db.QueryRow(ctx, "SELECT to_regclass('scheduler_migration') IS NOT NULL").Scan(&exists); err != nil {
-		return nil, fmt.Errorf("look for scheduler_migration: %w", err)
+	if err := pool.QueryRow(ctx, "SELECT to_regclass('scheduler_migration') IS NOT NULL").Scan(&exists); err != nil {
+		return nil, 0, fmt.Errorf("look for scheduler_migration: %w", err)
 	}
 	if !exists {
-		return all, nil
+		return all, river, nil
 	}
-	applied, err := appliedVersions(ctx, db)
+	applied, err := appliedVersions(ctx, pool)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
-	var pending []Migration
-	known := map[int]bool{}
+	if err := checkKnown(all, applied); err != nil {
+		return nil, 0, err
+	}
 	for _, m := range all {
-		known[m.Version] = true
 		if !slices.Contains(applied, m.Version) {
-			pending = append(pending, m)
+			ours = append(ours, m)
 		}
 	}
+	return ours, river, nil
+}
+
+// checkKnown fails with ErrSchemaTooNew when the database has a migration
+// this binary does not know.
+func checkKnown(all []Migration, applied []int) error {
 	for _, v := range applied {
-		if !known[v] {
-			return nil, fmt.Errorf("%w: it has migration %d, this binary knows up to %d",
+		if !slices.ContainsFunc(all, func(m Migration) bool { return m.Version == v }) {
+			return fmt.Errorf("%w: it has migration %d, this binary knows up to %d; run a newer release",
 				ErrSchemaTooNew, v, all[len(all)-1].Version)
 		}
 	}
-	return pending, nil
+	return nil
 }
 
-func appliedVersions(ctx context.Context, db Querier) ([]int, error) {
+func appliedVersions(ctx context.Context, db interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+}) ([]int, error) {
 	rows, err := db.Query(ctx, "SELECT version FROM scheduler_migration ORDER BY version")
 	if err != nil {
 		return nil, fmt.Errorf("read applied migrations: %w", err)

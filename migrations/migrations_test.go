@@ -126,9 +126,12 @@ func TestApplyFreshThenAgain(t *testing.T) {
 	pool := newPool(t, emptyDB(t))
 	ctx := t.Context()
 
-	pending, err := migrations.Pending(ctx, pool)
+	pending, river, err := migrations.Pending(ctx, pool)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if river == 0 {
+		t.Error("Pending on an empty database reports no River migration pending")
 	}
 	if !slices.Equal(versions(pending), versions(all)) {
 		t.Errorf("Pending on an empty database = %v, want every migration %v", versions(pending), versions(all))
@@ -158,7 +161,7 @@ func TestApplyFreshThenAgain(t *testing.T) {
 	if got := recorded(t, pool); !slices.Equal(got, versions(all)) {
 		t.Errorf("scheduler_migration = %v, want %v", got, versions(all))
 	}
-	if pending, err := migrations.Pending(ctx, pool); err != nil || len(pending) != 0 {
+	if pending, _, err := migrations.Pending(ctx, pool); err != nil || len(pending) != 0 {
 		t.Errorf("Pending after Apply = %v, %v; want none", versions(pending), err)
 	}
 }
@@ -234,7 +237,7 @@ func TestApplyConcurrent(t *testing.T) {
 // finds nothing to do.
 func TestMigratedDB(t *testing.T) {
 	db := pgtest.NewDB(t)
-	pending, err := migrations.Pending(t.Context(), db.Pool)
+	pending, _, err := migrations.Pending(t.Context(), db.Pool)
 	if err != nil || len(pending) != 0 {
 		t.Errorf("Pending = %v, %v; want none", versions(pending), err)
 	}
@@ -251,7 +254,7 @@ func TestPendingReportsMissing(t *testing.T) {
 	if _, err := db.Pool.Exec(t.Context(), "DELETE FROM scheduler_migration WHERE version = 1"); err != nil {
 		t.Fatal(err)
 	}
-	pending, err := migrations.Pending(t.Context(), db.Pool)
+	pending, _, err := migrations.Pending(t.Context(), db.Pool)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -282,7 +285,7 @@ func TestSchemaTooNew(t *testing.T) {
 			t.Errorf("Apply #%d applied %v", attempt+1, versions(res.Applied))
 		}
 	}
-	if _, err := migrations.Pending(ctx, db.Pool); !errors.Is(err, migrations.ErrSchemaTooNew) {
+	if _, _, err := migrations.Pending(ctx, db.Pool); !errors.Is(err, migrations.ErrSchemaTooNew) {
 		t.Errorf("Pending error = %v, want ErrSchemaTooNew", err)
 	}
 	if got := recorded(t, db.Pool); !slices.Equal(got, before) {

@@ -31,9 +31,10 @@ LEFT JOIN LATERAL (
         SELECT m.*, bool_and(m.next_run_at <= now()) OVER (ORDER BY m.seq, m.id) AS all_due
         FROM deferred_message m
         WHERE c.business_key IS NOT NULL AND m.business_key = c.business_key AND m.state = 'pending'
-          -- The lock returned the newest head; this statement's snapshot may
-          -- be older and still hold messages another holder has since
-          -- published and deleted. Nothing before the head is handed out.
+          -- Never hand out anything before the head the claim leased. The
+          -- ctid join above already skips a head that changed after this
+          -- statement's snapshot; this keeps the read right even if that
+          -- join changes.
           AND (m.seq, m.id) >= (c.head_seq, c.head_id)
         ORDER BY m.seq, m.id
         LIMIT $3

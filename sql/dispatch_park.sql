@@ -1,4 +1,4 @@
--- Finalize, step 2: park messages the broker refused for good, with the reason.
+-- Finalize, step 4: park messages the broker refused for good, with the reason.
 -- Parking moves the key's head past them, so they stop holding their key.
 UPDATE deferred_message m
 SET state = 'parked', reason = p.reason

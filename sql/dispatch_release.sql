@@ -1,11 +1,18 @@
--- Finalize, step 3: give back the keys $1 (business keys) and $2 (unordered
--- heads) leased to $3. Keys in $4 (business keys) and $6 (unordered heads)
--- failed with a retriable error: they stay leased to no one until now() + $5,
--- which is how dispatch backs off from a broker that is down without holding
--- a transaction or a worker.
+-- Finalize, last step: give back the keys $1 (business keys) and $2
+-- (unordered heads) leased to $3. Keys in $4 (business keys) and $5
+-- (unordered heads) failed with a retriable error: they stay leased to no one
+-- for a back-off that doubles with each consecutive failure, from $6 up to
+-- $7, which is how dispatch backs off from a broker that is down without
+-- holding a transaction or a worker. A key that published resets its count.
 UPDATE deferred_key
 SET leased_by = NULL,
-    leased_until = CASE WHEN business_key = ANY ($4::text[]) OR (business_key IS NULL AND head_id = ANY ($6::bigint[]))
-                        THEN now() + $5::interval END
-WHERE leased_by = $3::text
-  AND (business_key = ANY ($1::text[]) OR (business_key IS NULL AND head_id = ANY ($2::bigint[])))
+    failures = CASE WHEN retry THEN failures + 1 ELSE 0 END,
+    leased_until = CASE WHEN retry
+                        THEN now() + least($7::interval, $6::interval * power(2, least(failures, 30)))
+                   END
+FROM (SELECT business_key = ANY ($4::text[]) OR (business_key IS NULL AND head_id = ANY ($5::bigint[])) AS retry,
+             ctid AS row_id
+      FROM deferred_key
+      WHERE leased_by = $3::text
+        AND (business_key = ANY ($1::text[]) OR (business_key IS NULL AND head_id = ANY ($2::bigint[])))) r
+WHERE deferred_key.ctid = r.row_id

@@ -1,15 +1,14 @@
-// Package sql holds the SQL the service runs, one statement per file, embedded
-// into the binary. Keeping statements in .sql files lets operators and
-// reviewers read exactly what runs, and lets tests execute each file as is.
-//
-// The operator runbook (statements people run by hand with psql) lives in
-// runbook/; it is not run by the service but is exercised by tests.
+// Package sql holds the SQL that ingest and dispatch run, one statement per
+// file, embedded into the binary. Keeping statements in .sql files lets
+// operators and reviewers read exactly what runs, and lets tests execute each
+// file as is.
 package sql
 
 import _ "embed"
 
 // Statements the service runs. Each file starts with a comment that documents
-// its parameters.
+// its parameters. They are variables only because go:embed needs one; nothing
+// assigns to them.
 var (
 	//go:embed ingest_insert.sql
 	IngestInsert string
@@ -17,6 +16,8 @@ var (
 	IngestOffsets string
 	//go:embed dispatch_claim.sql
 	DispatchClaim string
+	//go:embed dispatch_lock_messages.sql
+	DispatchLockMessages string
 	//go:embed dispatch_lock_keys.sql
 	DispatchLockKeys string
 	//go:embed dispatch_delete.sql

@@ -42,7 +42,7 @@ type config struct {
 	DispatchBatchKeys    int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
 	DispatchKeyBatch     int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
 	DispatchLoopDuration time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
-	LeaseDuration        time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 15 x KAFKA_TIMEOUT + 0.5s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
+	LeaseDuration        time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 17 x KAFKA_TIMEOUT + 0.3s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
 	PollInterval         time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
 	ListenNotify         bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications; false for PgBouncer transaction mode (poll only)"`
 	DBMaxConns           int32         `env:"DB_MAX_CONNS" envDefault:"20" form:"integer 4..1000" help:"Postgres connection pool size"`
@@ -217,7 +217,7 @@ func (c *config) validate() error {
 		errs = append(errs, c.bad("KAFKA_VERSION", c.KafkaVersion, "Kafka version, e.g. 3.6.0"))
 		kafkaOK = false
 	}
-	if c.KafkaSASLMechanism != "" && !slices.Contains(kafkaclient.SASLMechanisms, c.KafkaSASLMechanism) {
+	if c.KafkaSASLMechanism != "" && !slices.Contains(kafkaclient.SASLMechanisms(), c.KafkaSASLMechanism) {
 		errs = append(errs, c.bad("KAFKA_SASL_MECHANISM", c.KafkaSASLMechanism, "empty, PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512"))
 		kafkaOK = false
 	} else if c.KafkaSASLMechanism != "" && c.KafkaSASLUser == "" {

@@ -115,10 +115,7 @@ Environment:
 		return code
 	}
 	cfg, err := loadConfig(environ)
-	if err == nil {
-		err = cfg.requireRun()
-	}
-	if err != nil {
+	if err = errors.Join(err, cfg.requireRun()); err != nil {
 		fmt.Fprintf(stderr, "scheduler run: configuration:\n%v\n", indent(err))
 		return 2
 	}
@@ -149,8 +146,8 @@ whose schema is newer than this binary.
 		return code
 	}
 	cfg, err := loadConfig(environ)
-	if err == nil && cfg.DatabaseURL == "" {
-		err = errors.New("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db")
+	if cfg.DatabaseURL == "" {
+		err = errors.Join(err, errors.New("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db"))
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "scheduler migrate: configuration:\n%v\n", indent(err))

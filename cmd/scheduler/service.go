@@ -56,13 +56,13 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 			return nil, err
 		}
 	}
-	pending, err := migrations.Pending(ctx, s.pool)
+	pending, river, err := migrations.Pending(ctx, s.pool)
 	if err != nil {
 		return nil, err
 	}
-	if len(pending) > 0 {
-		return nil, fmt.Errorf("the database lacks %d migrations (first: %04d_%s): run `scheduler migrate` or start with --migrate",
-			len(pending), pending[0].Version, pending[0].Name)
+	if len(pending) > 0 || river > 0 {
+		return nil, fmt.Errorf("the database lacks %d of the scheduler's migrations and %d of River's: run `scheduler migrate` or start with --migrate",
+			len(pending), river)
 	}
 
 	brokers := make([]string, len(cfg.KafkaBrokers))
@@ -160,12 +160,12 @@ func (s *service) run(ctx context.Context) error {
 	if err := s.runtime.Start(runCtx); err != nil {
 		return err
 	}
+	ingestCtx, stopIngest := context.WithCancel(ctx)
+	defer stopIngest()
 	ingestDone := make(chan struct{})
 	go func() {
 		defer close(ingestDone)
-		if err := s.ingester.Run(ctx); err != nil {
-			s.logger.Error("ingest stopped", "error", err)
-		}
+		s.ingester.Run(ingestCtx)
 	}()
 	httpErr := make(chan error, 1)
 	go func() { httpErr <- s.http.Serve(s.listener) }()
@@ -179,6 +179,7 @@ func (s *service) run(ctx context.Context) error {
 		err = fmt.Errorf("HTTP server: %w", err)
 	}
 	s.logger.Info("shutting down")
+	stopIngest()
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
 	defer stopCancel()
 	select {
@@ -187,6 +188,11 @@ func (s *service) run(ctx context.Context) error {
 		s.logger.Warn("ingest did not stop in time")
 	}
 	if stopErr := s.runtime.Stop(stopCtx); stopErr != nil {
+		// A loop is still publishing: closing the producer under it would
+		// crash it. Leave both to the process exit; its leases expire and the
+		// round is republished (at-least-once).
+		s.logger.Error("dispatch did not stop within SHUTDOWN_TIMEOUT; exiting with leases held", "error", stopErr)
+		s.producer = nil
 		err = errors.Join(err, stopErr)
 	}
 	if stopErr := s.http.Shutdown(stopCtx); stopErr != nil {
@@ -252,10 +258,10 @@ func (s *service) readyz(w http.ResponseWriter, r *http.Request) {
 	checks := map[string]string{}
 	if err := s.pool.Ping(ctx); err != nil {
 		checks["postgres"] = err.Error()
-	} else if pending, err := migrations.Pending(ctx, s.pool); err != nil {
+	} else if pending, river, err := migrations.Pending(ctx, s.pool); err != nil {
 		checks["migrations"] = err.Error()
-	} else if len(pending) > 0 {
-		checks["migrations"] = fmt.Sprintf("%d pending", len(pending))
+	} else if len(pending) > 0 || river > 0 {
+		checks["migrations"] = fmt.Sprintf("%d of the scheduler's and %d of River's pending", len(pending), river)
 	}
 	if !s.ingester.Joined() {
 		checks["ingest"] = "not joined to consumer group " + s.cfg.ConsumerGroup

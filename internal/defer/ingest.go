@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+
+	"github.com/deferq/scheduler/internal/backoff"
 )
 
 // ConsumerConfig returns consumer-group settings for ingest: start from the
@@ -82,7 +84,7 @@ func (in *Ingester) Counts() (stored, rejected, duplicates int64) {
 
 // Run consumes until ctx is done. Errors from the group (a broker away, a
 // rebalance failing) are logged and retried: ingest must come back by itself.
-func (in *Ingester) Run(ctx context.Context) error {
+func (in *Ingester) Run(ctx context.Context) {
 	go func() {
 		for err := range in.group.Errors() {
 			in.logger.Warn("ingest consumer error", "error", err)
@@ -92,17 +94,16 @@ func (in *Ingester) Run(ctx context.Context) error {
 	for ctx.Err() == nil {
 		err := in.group.Consume(ctx, []string{in.cfg.Topic}, in)
 		if ctx.Err() != nil {
-			return nil
+			return
 		}
 		if err != nil {
 			failures++
 			in.logger.Warn("ingest session ended", "error", err, "consecutive", failures)
-			sleep(ctx, backoff(failures))
+			backoff.Sleep(ctx, backoff.Exp(failures, 100*time.Millisecond, 5*time.Second))
 			continue
 		}
 		failures = 0
 	}
-	return nil
 }
 
 // Setup implements sarama.ConsumerGroupHandler. It starts each claimed
@@ -154,10 +155,18 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 		select {
 		case msg, ok := <-claim.Messages():
 			if !ok {
-				return flush(finalContext(ctx))
+				fctx, cancel := finalContext(ctx)
+				defer cancel()
+				return flush(fctx)
 			}
 			if next, ok := in.from[msg.Partition]; ok && msg.Offset < next {
-				continue // stored before; see Setup
+				// Setup starts the claim at next, so this only happens when the
+				// consumer reset its offset (the topic was re-created, say).
+				// Such a record was stored before; say so rather than skip it
+				// silently.
+				in.logger.Error("skipping a record below the stored ingest position; delete its ingest_offset row to ingest it again",
+					"topic", msg.Topic, "partition", msg.Partition, "offset", msg.Offset, "stored_up_to", next)
+				continue
 			}
 			if len(batch) == 0 {
 				linger.Reset(in.cfg.BatchLinger)
@@ -174,18 +183,18 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 				return err
 			}
 		case <-ctx.Done():
-			return flush(finalContext(ctx))
+			fctx, cancel := finalContext(ctx)
+			defer cancel()
+			return flush(fctx)
 		}
 	}
 }
 
 // finalContext is for the last write of a session that is ending: the session
 // context is already cancelled, but the records it read should still be stored
-// if the database answers quickly.
-func finalContext(ctx context.Context) context.Context {
-	c, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	context.AfterFunc(c, cancel)
-	return c
+// if the database answers soon.
+func finalContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 }
 
 // flush parses and stores one batch, retrying the database until it succeeds
@@ -228,7 +237,7 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 		}
 		in.logger.Warn("store batch failed; retrying, offsets not committed", "error", err,
 			"topic", topic, "partition", partition, "attempt", attempt)
-		sleep(ctx, backoff(attempt))
+		backoff.Sleep(ctx, backoff.Exp(attempt, 100*time.Millisecond, 5*time.Second))
 	}
 	if in.afterStore != nil {
 		if err := in.afterStore(); err != nil {
@@ -244,21 +253,4 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 		"records", len(msgs), "stored", stored, "rejected", rejected, "duplicates", int64(len(msgs))-stored,
 		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", in.now().Sub(start))
 	return nil
-}
-
-func backoff(attempt int) time.Duration {
-	b := 100 * time.Millisecond
-	for i := 1; i < attempt && b < 5*time.Second; i++ {
-		b *= 2
-	}
-	return min(b, 5*time.Second)
-}
-
-func sleep(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
 }

@@ -211,7 +211,10 @@ func startIngester(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool
 	in.afterStore = afterStore
 	ctx, cancel := context.WithCancel(ctx)
 	r := &runningIngester{in: in, group: group, cancel: cancel, done: make(chan error, 1)}
-	go func() { r.done <- in.Run(ctx) }()
+	go func() {
+		in.Run(ctx)
+		r.done <- nil
+	}()
 	t.Cleanup(func() { r.stop(t) })
 	return r
 }

@@ -442,3 +442,120 @@ func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
 		t.Fatal("a stopped process must leave scheduler_instance")
 	}
 }
+
+// A due head that someone holds locked (an operator's open transaction) can
+// be neither claimed nor slept past; the loop must still not spin.
+func TestLockedDueHeadDoesNotSpin(t *testing.T) {
+	e := newEnv(t)
+	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("v")})
+	ctx := context.Background()
+	tx, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, "UPDATE deferred_message SET error_message = 'looking' WHERE business_key = 'k'"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "SELECT FROM deferred_key WHERE business_key = 'k' FOR UPDATE"); err != nil {
+		t.Fatal(err)
+	}
+	d := e.dispatcher("t1", time.Minute, allowAll)
+	if err := d.Run(ctx, time.Now().Add(time.Second), nil); err != nil {
+		t.Fatal(err)
+	}
+	// At most one round per minIdle, and then some slack.
+	if limit := int(time.Second/minIdle) + 10; d.rounds > limit {
+		t.Fatalf("%d rounds in 1s with the due head locked; want at most %d (the loop spins)", d.rounds, limit)
+	}
+	if d.rounds < 2 {
+		t.Fatalf("%d rounds in 1s; the loop must keep looking", d.rounds)
+	}
+}
+
+// A target that keeps failing retriably backs off by itself: keys of other
+// targets flow at full speed meanwhile.
+func TestFailingTargetDoesNotSlowOthers(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicB, Err: kerr.NotEnoughReplicas, Count: -1})
+	defer fault.Remove()
+	e.insert(msg{key: str("stuck"), target: topicB, recKey: []byte("stuck"), value: []byte("x")})
+	d := e.dispatcher("t1", time.Minute, allowAll)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx, time.Now().Add(time.Minute), nil) }()
+
+	// Feed the healthy target in waves while the stuck key keeps failing.
+	for wave := range 10 {
+		var rows []msg
+		for i := range 20 {
+			k := fmt.Sprintf("w%d-%d", wave, i)
+			rows = append(rows, msg{key: str(k), target: topicA, recKey: []byte(k), value: []byte(k)})
+		}
+		e.insert(rows...)
+		time.Sleep(100 * time.Millisecond)
+	}
+	col.wait(t, 200, 3*time.Second)
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if fault.Hits() < 2 {
+		t.Fatalf("the stuck key was tried %d times; it must keep being retried", fault.Hits())
+	}
+	var failures int
+	if err := e.pool.QueryRow(context.Background(), "SELECT failures FROM deferred_key WHERE business_key = 'stuck'").Scan(&failures); err != nil {
+		t.Fatal(err)
+	}
+	if failures < 2 {
+		t.Fatalf("the stuck key's failure count is %d; its back-off must grow", failures)
+	}
+}
+
+// Lowering DISPATCH_LOOPS retires the slots above it.
+func TestLoweredLoopsRetire(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	rt, err := NewRuntime(e.pool, e.producer, nil, RuntimeConfig{
+		Instance: "test", Loops: 1, Workers: 3, LoopDuration: 300 * time.Millisecond, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Hour,
+		Dispatch:            Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: allowAll},
+	}, testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Slots 1 and 2 were created by an earlier configuration.
+	for _, slot := range []int{1, 2} {
+		if _, err := rt.client.Insert(ctx, LoopArgs{Slot: slot}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := rt.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Stop(ctx)
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		var live []int
+		rows, err := e.pool.Query(ctx, `SELECT DISTINCT (args->>'slot')::int FROM river_job
+			WHERE kind = $1 AND state NOT IN ('completed', 'discarded', 'cancelled') ORDER BY 1`, LoopArgs{}.Kind())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for rows.Next() {
+			var s int
+			rows.Scan(&s)
+			live = append(live, s)
+		}
+		rows.Close()
+		if slices.Equal(live, []int{0}) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("live slots %v, want only [0]", live)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

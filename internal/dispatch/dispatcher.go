@@ -18,6 +18,7 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/deferq/scheduler/internal/backoff"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/keylock"
 )
@@ -45,9 +46,11 @@ type Dispatcher struct {
 	logger   *slog.Logger
 	now      func() time.Time
 
-	// failures counts consecutive rounds that failed or backed off; it
-	// lengthens both the loop's sleep and the keys' back-off.
+	// failures counts consecutive rounds that failed or achieved nothing;
+	// it lengthens the loop's sleep.
 	failures int
+	// rounds counts rounds, for tests.
+	rounds int
 
 	// afterPublish, when set (tests), runs between publish and finalize; an
 	// error stops the round there, as a crash would.
@@ -71,6 +74,11 @@ func New(locker *keylock.Locker, producer Producer, wake <-chan struct{}, cfg Co
 // errCrashed is returned by a round that a test hook stopped mid-way.
 var errCrashed = errors.New("dispatch: stopped between publish and finalize")
 
+// minIdle is the shortest sleep after a round that claimed nothing although
+// a head is due: that head is locked by someone (an operator's open
+// transaction, ingest, a finalize) and polling it without pause would spin.
+const minIdle = 20 * time.Millisecond
+
 // Run dispatches until ctx is done, stop is closed, or until passes. It
 // returns nil on those; errors inside rounds are logged and backed off from,
 // because one failed round (a database blip, a broker restart) must not end
@@ -81,30 +89,28 @@ func (d *Dispatcher) Run(ctx context.Context, until time.Time, stop <-chan struc
 		if errors.Is(err, errCrashed) {
 			return err
 		}
-		if err != nil || st.Retry > 0 {
+		// The loop backs off only when the round failed or achieved nothing.
+		// Keys that failed back off on their own (deferred_key.failures), so
+		// one broken target does not slow the others down.
+		if err != nil || (st.Retry > 0 && st.Published == 0 && st.Parked == 0) {
 			d.failures++
 			if err != nil && ctx.Err() == nil {
 				d.logger.Warn("dispatch round failed", "error", err, "consecutive", d.failures)
 			}
-			d.sleep(ctx, until, stop, backoff(d.failures, d.cfg.MaxBackoff), false)
+			d.sleep(ctx, until, stop, backoff.Exp(d.failures, 50*time.Millisecond, d.cfg.MaxBackoff), false)
 			continue
 		}
 		d.failures = 0
-		if st.Keys >= d.cfg.BatchKeys {
-			continue // a full batch: more is probably due
-		}
 		if st.Keys > 0 {
-			continue // cheap to look once more before sleeping
+			continue // more may be due; cheap to look once more before sleeping
 		}
 		wait := d.cfg.PollInterval
 		if due, ok, err := d.locker.NextDue(ctx); err != nil {
 			d.logger.Warn("read next due time", "error", err)
-		} else if ok && due < wait {
-			wait = due
+		} else if ok {
+			wait = min(wait, max(due, minIdle))
 		}
-		if wait > 0 {
-			d.sleep(ctx, until, stop, wait, true)
-		}
+		d.sleep(ctx, until, stop, wait, true)
 	}
 	return nil
 }
@@ -140,19 +146,11 @@ func (d *Dispatcher) sleep(ctx context.Context, until time.Time, stop <-chan str
 	}
 }
 
-func backoff(failures int, limit time.Duration) time.Duration {
-	b := 50 * time.Millisecond
-	for i := 1; i < failures && b < limit; i++ {
-		b *= 2
-	}
-	return min(b, limit)
-}
-
 // RoundStats counts what one round did.
 type RoundStats struct {
 	Keys      int // keys claimed
-	Published int
-	Parked    int
+	Published int // messages the broker acknowledged
+	Parked    int // messages moved to the parking lot
 	Retry     int // keys backed off after a retriable error
 }
 
@@ -166,6 +164,7 @@ type batch struct {
 
 // Round claims due keys once, publishes, and finalizes.
 func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
+	d.rounds++
 	start := d.now()
 	claims, err := d.locker.Claim(ctx, d.cfg.BatchKeys)
 	if err != nil {
@@ -181,11 +180,10 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	for i, c := range claims {
 		b := batch{claim: c, first: len(records)}
 		for _, m := range run(c.Messages) {
-			if !d.cfg.Targets.Allows(m.Target) || !deferral.ValidTopic(m.Target) {
+			if reason := d.refuse(m.Target); reason != "" {
 				// Parking releases the key, so stop the run here: what follows
 				// is claimed again next round, in order.
-				b.parks = append(b.parks, keylock.Park{ID: m.ID, Reason: fmt.Sprintf(
-					"target_not_allowed: target_topic %q is not in TARGET_TOPICS (changed after ingest?)", m.Target)})
+				b.parks = append(b.parks, keylock.Park{ID: m.ID, Reason: reason})
 				break
 			}
 			b.msgs = append(b.msgs, m)
@@ -198,15 +196,19 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	if len(records) > 0 {
 		if err := d.producer.SendMessages(records); err != nil {
 			var perrs sarama.ProducerErrors
-			if !errors.As(err, &perrs) {
-				return st, fmt.Errorf("publish %d records: %w", len(records), err)
-			}
-			index := make(map[*sarama.ProducerMessage]int, len(records))
-			for i, r := range records {
-				index[r] = i
-			}
-			for _, pe := range perrs {
-				failed[index[pe.Msg]] = pe.Err
+			if errors.As(err, &perrs) {
+				index := make(map[*sarama.ProducerMessage]int, len(records))
+				for i, r := range records {
+					index[r] = i
+				}
+				for _, pe := range perrs {
+					failed[index[pe.Msg]] = pe.Err
+				}
+			} else {
+				// Not per message: count every record as failed, retriably.
+				for i := range records {
+					failed[i] = err
+				}
 			}
 		}
 	}
@@ -216,7 +218,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 		}
 	}
 
-	out := keylock.Outcome{Backoff: backoff(d.failures+1, d.cfg.MaxBackoff)}
+	var out keylock.Outcome
 	for _, b := range batches {
 		out.Parked = append(out.Parked, b.parks...)
 		var lastErr error
@@ -248,21 +250,37 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	}
 	st.Published, st.Parked, st.Retry = len(out.Published), len(out.Parked), len(out.Retry)
 
-	// Finalizing must not be skipped for a database blip: that would turn
-	// every published message of the batch into a duplicate later.
+	// Finalizing must not be given up for a database blip (a restart, a
+	// failover): every message of the round would be published again after
+	// the lease. Keep trying, whatever happens to ctx, for as long as the
+	// lease holds; past it, another holder may have taken the keys.
+	fctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), start.Add(d.locker.Lease()))
+	defer cancel()
 	for attempt := 1; ; attempt++ {
-		err := d.locker.Finalize(ctx, claims, out)
+		err := d.locker.Finalize(fctx, claims, out)
 		if err == nil {
 			break
 		}
-		if ctx.Err() != nil || attempt == 5 {
-			return st, err
+		d.logger.Warn("finalize failed; retrying while the lease holds", "error", err, "attempt", attempt)
+		if !backoff.Sleep(fctx, backoff.Exp(attempt, 50*time.Millisecond, time.Second)) {
+			return st, fmt.Errorf("finalize gave up when the lease ran out; %d published messages will be republished: %w",
+				st.Published, err)
 		}
-		time.Sleep(backoff(attempt, time.Second))
 	}
 	d.logger.Debug("dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
 		"retry", st.Retry, "duration", d.now().Sub(start))
 	return st, nil
+}
+
+// refuse says why target must not be published to, or "" if it may.
+func (d *Dispatcher) refuse(target string) string {
+	switch {
+	case !deferral.ValidTopic(target):
+		return fmt.Sprintf("invalid_target: target_topic %q is not a valid Kafka topic name", target)
+	case !d.cfg.Targets.Allows(target):
+		return fmt.Sprintf("target_not_allowed: target_topic %q is not in TARGET_TOPICS (changed after ingest?)", target)
+	}
+	return ""
 }
 
 // run returns the leading messages of a claim that go to the same topic with

@@ -3,6 +3,7 @@ package dispatch
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -18,7 +19,7 @@ type Producer interface {
 	SendMessages(msgs []*sarama.ProducerMessage) error
 }
 
-// ProducerConfig returns base producer settings: idempotent, acks=all, one
+// ProducerConfig sets on base, and returns it, the producer settings: idempotent, acks=all, one
 // request in flight (so retries cannot reorder a partition), the
 // Java-compatible murmur2 partitioner (a key lands on the partition the Java
 // client would pick), no topic auto-creation (an unknown target must fail,
@@ -41,23 +42,29 @@ func ProducerConfig(base *sarama.Config) *sarama.Config {
 	c.Metadata.AllowAutoTopicCreation = false
 	c.Metadata.Retry.Max = 1
 	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	// Without it a metadata refresh tries every broker in turn, each up to
+	// the network timeouts, which no lease could bound.
+	c.Metadata.Timeout = 2 * c.Net.ReadTimeout
 	return c
 }
 
 // MaxPublishDuration bounds how long one SendMessages call can take with
-// config c: every attempt, and every metadata refresh before it, can wait for
-// a dial, a write and a read, plus the back-offs between attempts. A lease
-// must be longer, or a slow publish could overlap a second holder's.
+// config c (from ProducerConfig): every produce attempt can wait for a dial, a
+// write and a read, plus the back-off before the next; and the producer
+// refreshes metadata before the first attempt and after each failed one, each
+// refresh bounded by Metadata.Timeout. A lease must be longer, or a slow
+// publish could overlap a second holder's. With every network timeout T, this
+// is 17T + 0.3s.
 func MaxPublishDuration(c *sarama.Config) time.Duration {
 	step := c.Net.DialTimeout + c.Net.WriteTimeout + c.Net.ReadTimeout
 	tries := time.Duration(c.Producer.Retry.Max + 1)
-	meta := time.Duration(c.Metadata.Retry.Max+1) * (step + c.Metadata.Retry.Backoff)
-	return tries*(step+c.Producer.Retry.Backoff) + meta
+	return tries*(step+c.Producer.Retry.Backoff) + (tries+1)*c.Metadata.Timeout
 }
 
-// Output headers the scheduler writes on every republished record.
-var scheduledHeaders = [...]string{
-	deferral.HeaderID, deferral.HeaderSeq, deferral.HeaderAttempt, deferral.HeaderScheduledAt,
+// scheduledHeaders are the headers the scheduler writes on every republished
+// record, in the order they are appended.
+func scheduledHeaders() [4]string {
+	return [4]string{deferral.HeaderID, deferral.HeaderSeq, deferral.HeaderAttempt, deferral.HeaderScheduledAt}
 }
 
 // Record builds the republished record for m (DESIGN.md section 2): same key,
@@ -67,14 +74,15 @@ var scheduledHeaders = [...]string{
 // otherwise; extra copies dropped), and defer.target is set to the row's
 // target, which differs from the header only after an operator edited it.
 func Record(m keylock.Message) *sarama.ProducerMessage {
-	values := [len(scheduledHeaders)][]byte{
+	names := scheduledHeaders()
+	values := [len(names)][]byte{
 		[]byte(strconv.FormatInt(m.ID, 10)),
 		[]byte(strconv.FormatInt(m.Seq, 10)),
 		[]byte(strconv.FormatInt(int64(m.Attempt)+1, 10)),
 		[]byte(m.NextRunAt.UTC().Format(time.RFC3339Nano)),
 	}
-	var written [len(scheduledHeaders)]bool
-	out := make([]sarama.RecordHeader, 0, len(m.Headers)+len(scheduledHeaders))
+	var written [len(names)]bool
+	out := make([]sarama.RecordHeader, 0, len(m.Headers)+len(names))
 	for _, h := range m.Headers {
 		switch h.Key {
 		case deferral.HeaderAt, deferral.HeaderDelay:
@@ -83,7 +91,7 @@ func Record(m keylock.Message) *sarama.ProducerMessage {
 			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: []byte(m.Target)})
 			continue
 		}
-		i := scheduledIndex(h.Key)
+		i := slices.Index(names[:], h.Key)
 		if i < 0 {
 			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
 			continue
@@ -93,7 +101,7 @@ func Record(m keylock.Message) *sarama.ProducerMessage {
 			written[i] = true
 		}
 	}
-	for i, name := range scheduledHeaders {
+	for i, name := range names {
 		if !written[i] {
 			out = append(out, sarama.RecordHeader{Key: []byte(name), Value: values[i]})
 		}
@@ -108,15 +116,6 @@ func Record(m keylock.Message) *sarama.ProducerMessage {
 		pm.Value = sarama.ByteEncoder(m.Value)
 	}
 	return pm
-}
-
-func scheduledIndex(key string) int {
-	for i, name := range scheduledHeaders {
-		if key == name {
-			return i
-		}
-	}
-	return -1
 }
 
 // errorKind says what a failed publish means for the message.

@@ -33,6 +33,7 @@ const (
 // message: River's scheduled-job precision (5 s) and per-job overhead would
 // cap both lateness and throughput.
 type LoopArgs struct {
+	// Slot numbers the loop, 0 to DISPATCH_LOOPS-1; one job per slot exists.
 	Slot int `json:"slot"`
 }
 
@@ -259,6 +260,10 @@ func (rt *Runtime) EnsureLoops(ctx context.Context) error {
 // Stop ends the loops after their current round (each hands over to a
 // successor that another replica, or the next start, picks up) and stops
 // River, waiting until ctx is done at most.
+//
+// If River does not stop in time (a loop is stuck publishing), Stop returns
+// its error and keeps heartbeating, since that loop still holds leases and
+// uses the producer: the caller must not close the producer then.
 func (rt *Runtime) Stop(ctx context.Context) error {
 	rt.stopOnce.Do(func() { close(rt.stop) })
 	if err := rt.client.Stop(ctx); err != nil {
@@ -268,7 +273,7 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 		rt.liveness()
 		<-rt.livenessDone
 	}
-	if _, err := rt.pool.Exec(ctx, schedsql.InstanceLeave, rt.client.ID()); err != nil {
+	if _, err := rt.pool.Exec(context.WithoutCancel(ctx), schedsql.InstanceLeave, rt.client.ID()); err != nil {
 		return fmt.Errorf("deregister instance: %w", err)
 	}
 	return nil
@@ -278,8 +283,6 @@ type loopWorker struct {
 	river.WorkerDefaults[LoopArgs]
 	rt *Runtime
 }
-
-func (w *loopWorker) Timeout(*river.Job[LoopArgs]) time.Duration { return w.rt.loopTimeout() }
 
 // NextRetry retries a failed loop soon: a loop is the service, not a task
 // that benefits from long back-offs.
@@ -310,12 +313,17 @@ func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
 		return err
 	}
 
-	// Hand over even while shutting down, so another replica continues.
+	// Hand over even while shutting down, so another replica continues. A
+	// slot beyond DISPATCH_LOOPS (it was lowered) ends here.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	return pgx.BeginFunc(ctx, rt.pool, func(tx pgx.Tx) error {
 		if _, err := river.JobCompleteTx[*riverpgxv5.Driver](ctx, tx, job); err != nil {
 			return fmt.Errorf("complete dispatch loop %d: %w", job.Args.Slot, err)
+		}
+		if job.Args.Slot >= rt.cfg.Loops {
+			rt.logger.Info("dispatch loop retired: DISPATCH_LOOPS is lower than its slot", "slot", job.Args.Slot)
+			return nil
 		}
 		if _, err := rt.client.InsertTx(ctx, tx, LoopArgs{Slot: job.Args.Slot}, nil); err != nil {
 			return fmt.Errorf("insert successor of dispatch loop %d: %w", job.Args.Slot, err)

@@ -2,11 +2,14 @@ package dispatch
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deferq/scheduler/internal/backoff"
 )
 
 // NotifyChannel is the channel the deferred_key triggers notify when a head
@@ -60,47 +63,41 @@ func (w *Waker) Broadcast() {
 func (w *Waker) Run(ctx context.Context) {
 	var failures int
 	for ctx.Err() == nil {
-		err := w.listen(ctx)
+		listened, err := w.listen(ctx)
 		if ctx.Err() != nil {
 			return
+		}
+		if listened {
+			failures = 0 // it worked for a while: start the back-off over
 		}
 		failures++
 		w.logger.Warn("notification listener lost its connection; polling meanwhile", "error", err)
 		// Wake everyone: notifications may have been missed while down.
 		w.Broadcast()
-		t := time.NewTimer(backoff(failures, 5*time.Second))
-		select {
-		case <-ctx.Done():
-		case <-t.C:
-		}
-		t.Stop()
+		backoff.Sleep(ctx, backoff.Exp(failures, 100*time.Millisecond, 5*time.Second))
 	}
 }
 
-func (w *Waker) listen(ctx context.Context) error {
+// listen waits for notifications on one connection until it fails. It
+// reports whether it got as far as listening.
+func (w *Waker) listen(ctx context.Context) (bool, error) {
 	pooled, err := w.pool.Acquire(ctx)
 	if err != nil {
-		return err
+		return false, fmt.Errorf("connect to listen: %w", err)
 	}
 	// A connection that has LISTENed must not go back to the pool.
 	conn := pooled.Hijack()
 	defer conn.Close(context.WithoutCancel(ctx))
 	if _, err := conn.Exec(ctx, "LISTEN "+NotifyChannel); err != nil {
-		return err
+		return false, fmt.Errorf("listen on %s: %w", NotifyChannel, err)
 	}
 	for {
 		if _, err := conn.WaitForNotification(ctx); err != nil {
-			return err
+			return true, fmt.Errorf("wait for notifications: %w", err)
 		}
 		w.Broadcast()
-		if w.throttle > 0 {
-			t := time.NewTimer(w.throttle)
-			select {
-			case <-ctx.Done():
-				t.Stop()
-				return ctx.Err()
-			case <-t.C:
-			}
+		if !backoff.Sleep(ctx, w.throttle) {
+			return true, ctx.Err()
 		}
 	}
 }

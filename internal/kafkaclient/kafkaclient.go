@@ -37,8 +37,8 @@ type Settings struct {
 	SASLPassword  string
 }
 
-// SASL mechanisms accepted in Settings.SASLMechanism.
-var SASLMechanisms = []string{"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"}
+// SASLMechanisms returns the mechanisms accepted in Settings.SASLMechanism.
+func SASLMechanisms() []string { return []string{"PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"} }
 
 // Config returns a sarama configuration for s. The errors name the setting at
 // fault.
@@ -77,7 +77,7 @@ func (s Settings) Config() (*sarama.Config, error) {
 		c.Net.SASL.Mechanism = sarama.SASLTypeSCRAMSHA512
 		c.Net.SASL.SCRAMClientGeneratorFunc = func() sarama.SCRAMClient { return &scramClient{hash: scram.HashGeneratorFcn(sha512.New)} }
 	default:
-		return nil, fmt.Errorf("SASL mechanism %q: want one of %v", s.SASLMechanism, SASLMechanisms)
+		return nil, fmt.Errorf("SASL mechanism %q: want one of %v", s.SASLMechanism, SASLMechanisms())
 	}
 	if c.Net.SASL.Enable {
 		if s.SASLUser == "" {

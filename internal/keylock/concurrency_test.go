@@ -171,7 +171,7 @@ func TestConcurrentInvariants(t *testing.T) {
 	// sometimes the last message parked, sometimes a retriable failure.
 	for w := range 3 {
 		owner := fmt.Sprintf("locker-%d", w)
-		l := newLocker(t, pool, owner, 30*time.Second, 3)
+		l := newLockerBackoff(t, pool, owner, 30*time.Second, 3, 20*time.Millisecond)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -188,7 +188,7 @@ func TestConcurrentInvariants(t *testing.T) {
 					continue
 				}
 				claimsN.Add(int64(len(claims)))
-				out := keylock.Outcome{Backoff: 20 * time.Millisecond}
+				var out keylock.Outcome
 				batch := make([]hold, len(claims))
 				for i, c := range claims {
 					h := hold{locker: owner, key: holdKey(c), claimEnd: claimEnd}

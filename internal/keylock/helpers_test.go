@@ -39,7 +39,13 @@ func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
 
 func newLocker(t testing.TB, pool *pgxpool.Pool, owner string, lease time.Duration, perKey int) *keylock.Locker {
 	t.Helper()
-	l, err := keylock.New(pool, keylock.Config{Owner: owner, Lease: lease, PerKey: perKey})
+	return newLockerBackoff(t, pool, owner, lease, perKey, 0)
+}
+
+// newLockerBackoff is newLocker with the first back-off of a failing key.
+func newLockerBackoff(t testing.TB, pool *pgxpool.Pool, owner string, lease time.Duration, perKey int, backoff time.Duration) *keylock.Locker {
+	t.Helper()
+	l, err := keylock.New(pool, keylock.Config{Owner: owner, Lease: lease, PerKey: perKey, BackoffBase: backoff})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -67,18 +67,15 @@ type Outcome struct {
 	Published []int64 // acknowledged by the broker
 	Parked    []Park  // refused for good
 	// Retry lists claims that hit a retriable error: their keys stay blocked
-	// until the back-off passes, then any holder may take them again.
+	// for a back-off that grows with each consecutive failure of the key,
+	// then any holder may take them again.
 	Retry []Claim
-	// Backoff is how long keys in Retry stay blocked.
-	Backoff time.Duration
 }
 
 // Locker claims and releases keys for one holder.
 type Locker struct {
-	pool   *pgxpool.Pool
-	owner  string
-	lease  time.Duration
-	perKey int
+	pool *pgxpool.Pool
+	cfg  Config
 }
 
 // Config configures a Locker.
@@ -91,7 +88,18 @@ type Config struct {
 	Lease time.Duration
 	// PerKey caps the messages read for one key per claim.
 	PerKey int
+	// MaxBytes caps the bytes of keys, values and headers one claim keeps in
+	// memory; keys beyond it are given back at once, unread. Zero means
+	// DefaultMaxBytes. A key's first message is always kept, whatever its size.
+	MaxBytes int
+	// BackoffBase and BackoffMax bound the back-off of a key after retriable
+	// failures: BackoffBase doubled per consecutive failure, at most
+	// BackoffMax. Zero means 100ms and 30s.
+	BackoffBase, BackoffMax time.Duration
 }
+
+// DefaultMaxBytes is the default memory budget of one claim.
+const DefaultMaxBytes = 16 << 20
 
 // New returns a Locker.
 func New(pool *pgxpool.Pool, cfg Config) (*Locker, error) {
@@ -103,23 +111,33 @@ func New(pool *pgxpool.Pool, cfg Config) (*Locker, error) {
 	case cfg.PerKey < 1:
 		return nil, fmt.Errorf("keylock: per-key batch %d must be at least 1", cfg.PerKey)
 	}
-	return &Locker{pool: pool, owner: cfg.Owner, lease: cfg.Lease, perKey: cfg.PerKey}, nil
+	if cfg.MaxBytes <= 0 {
+		cfg.MaxBytes = DefaultMaxBytes
+	}
+	if cfg.BackoffBase <= 0 {
+		cfg.BackoffBase = 100 * time.Millisecond
+	}
+	if cfg.BackoffMax <= 0 {
+		cfg.BackoffMax = 30 * time.Second
+	}
+	return &Locker{pool: pool, cfg: cfg}, nil
 }
 
-// Owner returns the name leases are taken under.
-func (l *Locker) Owner() string { return l.owner }
+// Lease returns how long a claim holds its keys.
+func (l *Locker) Lease() time.Duration { return l.cfg.Lease }
 
 // Claim leases up to maxKeys due keys and returns them with their due
 // messages. A claimed key whose messages vanished (an operator changed them
 // after the head was read) is released at once and not returned.
 func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
-	rows, err := l.pool.Query(ctx, schedsql.DispatchClaim, maxKeys, l.lease, l.perKey, l.owner)
+	rows, err := l.pool.Query(ctx, schedsql.DispatchClaim, maxKeys, l.cfg.Lease, l.cfg.PerKey, l.cfg.Owner)
 	if err != nil {
 		return nil, fmt.Errorf("claim due keys: %w", err)
 	}
 	defer rows.Close()
 
 	var claims, empty []Claim
+	var bytes int
 	for rows.Next() {
 		var (
 			businessKey *string
@@ -144,7 +162,21 @@ func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
 			empty = append(empty, c)
 			continue
 		}
-		if n := len(claims); n == 0 || !sameClaim(claims[n-1], c) {
+		size := len(key) + len(value)
+		for i := range hkeys {
+			size += len(hkeys[i]) + len(hvals[i])
+		}
+		continuing := len(claims) > 0 && sameClaim(claims[len(claims)-1], c)
+		if bytes+size > l.cfg.MaxBytes && bytes > 0 {
+			// Over budget: a key already started keeps the messages it has (a
+			// prefix is a valid run); a new key is given back untouched.
+			if !continuing && (len(empty) == 0 || !sameClaim(empty[len(empty)-1], c)) {
+				empty = append(empty, c)
+			}
+			continue
+		}
+		bytes += size
+		if !continuing {
 			claims = append(claims, c)
 		}
 		m := Message{ID: *id, Seq: *seq, Target: *target, NextRunAt: *nextRunAt, Attempt: *attempt,
@@ -202,7 +234,12 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 		parkIDs[i], parkReasons[i] = p.ID, p.Reason
 	}
 
+	// Locks first, messages before keys, each in order (see
+	// dispatch_lock_messages.sql); then the changes.
 	b := &pgx.Batch{}
+	if changed := append(append([]int64(nil), out.Published...), parkIDs...); len(changed) > 0 {
+		b.Queue(schedsql.DispatchLockMessages, changed)
+	}
 	if len(keys) > 0 {
 		b.Queue(schedsql.DispatchLockKeys, keys)
 	}
@@ -212,7 +249,7 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	if len(parkIDs) > 0 {
 		b.Queue(schedsql.DispatchPark, parkIDs, parkReasons)
 	}
-	b.Queue(schedsql.DispatchRelease, keys, heads, l.owner, retryKeys, out.Backoff, retryHeads)
+	b.Queue(schedsql.DispatchRelease, keys, heads, l.cfg.Owner, retryKeys, retryHeads, l.cfg.BackoffBase, l.cfg.BackoffMax)
 	if err := l.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("finalize %d keys (%d published, %d parked): %w",
 			len(claims), len(out.Published), len(parkIDs), err)

@@ -44,8 +44,8 @@ func TestNewValidates(t *testing.T) {
 			if (err == nil) != tt.ok {
 				t.Fatalf("New(%+v) error = %v, want ok=%v", tt.cfg, err, tt.ok)
 			}
-			if tt.ok && l.Owner() != tt.cfg.Owner {
-				t.Errorf("Owner() = %q, want %q", l.Owner(), tt.cfg.Owner)
+			if tt.ok && l.Lease() != tt.cfg.Lease {
+				t.Errorf("Lease() = %v, want %v", l.Lease(), tt.cfg.Lease)
 			}
 		})
 	}
@@ -367,7 +367,8 @@ func TestFinalizeRetryBacksOff(t *testing.T) {
 	db := pgtest.NewDB(t)
 	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
 		('a', 1, 't', now()), ('a', 2, 't', now()), (NULL, 3, 't', now()), ('ok', 4, 't', now())`)
-	a := newLocker(t, db.Pool, "a", time.Hour, 10)
+	const backoff = 400 * time.Millisecond
+	a := newLockerBackoff(t, db.Pool, "a", time.Hour, 10, backoff)
 	b := newLocker(t, db.Pool, "b", time.Hour, 10)
 	claims, err := a.Claim(t.Context(), 10)
 	if err != nil {
@@ -382,8 +383,7 @@ func TestFinalizeRetryBacksOff(t *testing.T) {
 			retry = append(retry, c)
 		}
 	}
-	const backoff = 400 * time.Millisecond
-	if err := a.Finalize(t.Context(), claims, keylock.Outcome{Retry: retry, Backoff: backoff}); err != nil {
+	if err := a.Finalize(t.Context(), claims, keylock.Outcome{Retry: retry}); err != nil {
 		t.Fatal(err)
 	}
 	releasedAt := dbNow(t, db.Pool)
@@ -487,7 +487,7 @@ func TestFinalizeAfterTakeover(t *testing.T) {
 	}
 	// Slow finalizes both ways: as published (its publish went out) and as
 	// a retriable failure. Neither may touch fast's leases.
-	if err := slow.Finalize(t.Context(), mine, keylock.Outcome{Retry: mine, Backoff: time.Hour}); err != nil {
+	if err := slow.Finalize(t.Context(), mine, keylock.Outcome{Retry: mine}); err != nil {
 		t.Fatal(err)
 	}
 	if err := slow.Finalize(t.Context(), mine, keylock.Outcome{}); err != nil {

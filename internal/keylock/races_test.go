@@ -192,20 +192,22 @@ func TestFinalizeLockOrderWithIngest(t *testing.T) {
 	eventually(t, 10*time.Second, "Finalize to wait for the parked message", func() bool {
 		var n int
 		if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity
-			WHERE query LIKE '%Finalize, step 2%' AND wait_event_type = 'Lock'`).Scan(&n); err != nil {
+			WHERE query LIKE '%Finalize, step 1%' AND wait_event_type = 'Lock'`).Scan(&n); err != nil {
 			t.Fatal(err)
 		}
 		return n > 0
 	})
+	// Finalize locks messages before keys, so while it waits for a message
+	// it holds no key: ingest of the same keys goes through meanwhile.
 	ingested := ingest.execAsync(t.Context(), `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at)
 		VALUES ('a', 3, 't', now()), ('b', 4, 't', now())`)
-	waitBlocked(t, db.Pool, ingest, ingested)
+	if err := wait(t, "ingest", ingested); err != nil {
+		t.Fatalf("ingest while finalize waits for a message: %v", err)
+	}
 	mustExec(t, operator, "COMMIT")
 
-	finalizeErr := wait(t, "finalize", finalized)
-	ingestErr := wait(t, "ingest", ingested)
-	if finalizeErr != nil || ingestErr != nil {
-		t.Errorf("finalize: %v; ingest: %v; want both to succeed, one after the other", finalizeErr, ingestErr)
+	if err := wait(t, "finalize", finalized); err != nil {
+		t.Errorf("finalize: %v; want it to succeed once the operator commits", err)
 	}
 	assertHeadsMatch(t, db.Pool)
 }
