@@ -38,4 +38,6 @@ var (
 	InstanceLeave string
 	//go:embed instance_prune.sql
 	InstancePrune string
+	//go:embed metrics_backlog.sql
+	MetricsBacklog string
 )

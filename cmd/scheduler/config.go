@@ -62,6 +62,7 @@ type config struct {
 	LogLevel        string        `env:"LOG_LEVEL" envDefault:"info" form:"debug, info, warn or error" help:"log level"`
 	LogFormat       string        `env:"LOG_FORMAT" envDefault:"text" form:"text or json" help:"log format"`
 	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
+	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message"`
 
 	targets deferral.TargetPatterns
 	// raw is the environment as given, so errors quote values as typed.
@@ -173,6 +174,11 @@ func (c *config) validate() error {
 	positive("SHUTDOWN_TIMEOUT", c.ShutdownTimeout, "Go duration")
 	if c.KafkaTimeout < 100*time.Millisecond || c.KafkaTimeout > time.Minute {
 		errs = append(errs, c.bad("KAFKA_TIMEOUT", c.KafkaTimeout.String(), "Go duration, 100ms..1m"))
+	}
+	// The backlog query counts the whole table: a floor keeps a typo from
+	// turning it into a busy loop.
+	if c.MetricsInterval < 100*time.Millisecond || c.MetricsInterval > time.Hour {
+		errs = append(errs, c.bad("METRICS_INTERVAL", c.MetricsInterval.String(), "Go duration, 100ms..1h"))
 	}
 	if c.DispatchLoopDuration < time.Second {
 		errs = append(errs, c.bad("DISPATCH_LOOP_DURATION", c.DispatchLoopDuration.String(), "Go duration >= 1s"))

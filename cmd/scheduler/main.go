@@ -44,6 +44,15 @@ Commands:
             Kafka broker, with a short scripted scenario (needs nothing set up)
   version   print the version
 
+Operator commands (DATABASE_URL; --json for scripts; see "Operating it" in
+the README and the SQL runbook in sql/runbook):
+  status    backlog by target and state, lateness, held keys, recent rejections
+  ls        list messages, filtered by target, state, key or reason
+  show      one message: its row, key, headers, value and lineage
+  expedite  make pending messages due now, by id, business key or target
+  cancel    delete messages by id
+  park      park pending messages by id, with a reason
+
 Configuration comes from environment variables; "scheduler run --help" lists
 them with their defaults. "scheduler <command> --help" describes a command.
 `
@@ -69,8 +78,20 @@ func run(ctx context.Context, args, environ []string, stdout, stderr io.Writer) 
 		return cmdMigrate(ctx, rest, environ, stdout, stderr)
 	case "demo":
 		return cmdDemo(ctx, rest, environ, stdout, stderr)
+	case "status":
+		return cmdStatus(ctx, rest, environ, stdout, stderr)
+	case "ls":
+		return cmdLs(ctx, rest, environ, stdout, stderr)
+	case "show":
+		return cmdShow(ctx, rest, environ, stdout, stderr)
+	case "expedite":
+		return cmdExpedite(ctx, rest, environ, stdout, stderr)
+	case "cancel":
+		return cmdCancel(ctx, rest, environ, stdout, stderr)
+	case "park":
+		return cmdPark(ctx, rest, environ, stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "scheduler: unknown command %q; commands are run, migrate, demo, version (see scheduler --help)\n", cmd)
+		fmt.Fprintf(stderr, "scheduler: unknown command %q; commands are run, migrate, demo, version, status, ls, show, expedite, cancel, park (see scheduler --help)\n", cmd)
 		return 2
 	}
 }

@@ -21,7 +21,9 @@ import (
 
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/migrations"
+	schedsql "github.com/deferq/scheduler/sql"
 )
 
 // service is one running scheduler: ingest, dispatch and the HTTP server.
@@ -36,21 +38,27 @@ type service struct {
 	waker    *dispatch.Waker
 	http     *http.Server
 	listener net.Listener
+	registry *prometheus.Registry
+	metrics  *metrics.Metrics
+	brokers  *brokerCheck
 }
 
 // newService connects to everything and checks the schema. With migrate set
 // it applies pending migrations first; otherwise pending migrations stop
 // start-up, since running on a schema the code does not expect corrupts data.
 func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bool) (_ *service, err error) {
-	s := &service{cfg: cfg, logger: logger}
+	s := &service{cfg: cfg, logger: logger, registry: prometheus.NewRegistry()}
 	defer func() {
 		if err != nil {
 			s.close()
 		}
 	}()
+	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	s.metrics = metrics.New(s.registry, version)
 	if s.pool, err = openPool(ctx, cfg); err != nil {
 		return nil, err
 	}
+	s.metrics.WatchPool(s.pool)
 	if migrate {
 		if _, err := migrations.Apply(ctx, s.pool, logger); err != nil {
 			return nil, err
@@ -72,12 +80,18 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	if err := s.connectKafka(ctx, brokers); err != nil {
 		return nil, err
 	}
+	probe, err := s.cfg.kafka().Config()
+	if err != nil {
+		return nil, err
+	}
+	s.brokers = newBrokerCheck(brokers, probe)
 
 	s.ingester, err = deferral.NewIngester(s.group, deferral.NewStore(s.pool), deferral.IngestConfig{
 		Topic:       cfg.DeferTopic,
 		Rules:       deferral.Rules{Targets: cfg.targets, MaxDelay: cfg.MaxDelay},
 		BatchSize:   cfg.IngestBatchSize,
 		BatchLinger: cfg.IngestBatchLinger,
+		Metrics:     s.metrics,
 	}, logger.With("component", "ingest"))
 	if err != nil {
 		return nil, err
@@ -99,6 +113,7 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 			BatchKeys:    cfg.DispatchBatchKeys,
 			PollInterval: cfg.PollInterval,
 			Targets:      cfg.targets,
+			Metrics:      s.metrics,
 		},
 	}, logger.With("component", "dispatch"))
 	if err != nil {
@@ -160,6 +175,7 @@ func (s *service) run(ctx context.Context) error {
 	if err := s.runtime.Start(runCtx); err != nil {
 		return err
 	}
+	wg.Go(func() { s.refreshGauges(runCtx) })
 	ingestCtx, stopIngest := context.WithCancel(ctx)
 	defer stopIngest()
 	ingestDone := make(chan struct{})
@@ -222,50 +238,21 @@ func (s *service) close() {
 }
 
 func (s *service) routes() http.Handler {
-	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	for _, m := range []struct {
-		result string
-		read   func() int64
-	}{
-		{"stored", func() int64 { n, _, _ := s.ingester.Counts(); return n }},
-		{"rejected", func() int64 { _, n, _ := s.ingester.Counts(); return n }},
-		{"duplicate", func() int64 { _, _, n := s.ingester.Counts(); return n }},
-	} {
-		reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
-			Name:        "scheduler_ingested_records_total",
-			Help:        "Records read from the defer topic, by result.",
-			ConstLabels: prometheus.Labels{"result": m.result},
-		}, func() float64 { return float64(m.read()) }))
-	}
-
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		fmt.Fprintln(w, "ok")
 	})
 	mux.HandleFunc("GET /readyz", s.readyz)
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
 	return mux
 }
 
-// readyz answers 200 when the database answers with the expected schema and
-// ingest holds a consumer-group session (which needs the brokers); 503 with
-// the failing checks otherwise.
+// readyz answers 200 when the database answers with the expected schema, the
+// brokers answer and ingest holds a consumer-group session; 503 with the
+// failing checks otherwise.
 func (s *service) readyz(w http.ResponseWriter, r *http.Request) {
-	ctx, cancel := context.WithTimeout(r.Context(), 2*time.Second)
-	defer cancel()
-	checks := map[string]string{}
-	if err := s.pool.Ping(ctx); err != nil {
-		checks["postgres"] = err.Error()
-	} else if pending, river, err := migrations.Pending(ctx, s.pool); err != nil {
-		checks["migrations"] = err.Error()
-	} else if len(pending) > 0 || river > 0 {
-		checks["migrations"] = fmt.Sprintf("%d of the scheduler's and %d of River's pending", len(pending), river)
-	}
-	if !s.ingester.Joined() {
-		checks["ingest"] = "not joined to consumer group " + s.cfg.ConsumerGroup
-	}
+	checks := s.readiness(r.Context())
 	status := http.StatusOK
 	body := map[string]any{"status": "ready"}
 	if len(checks) > 0 {
@@ -275,4 +262,205 @@ func (s *service) readyz(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_ = json.NewEncoder(w).Encode(body)
+}
+
+// readiness runs the readiness checks, each bounded by 2 s, and returns the
+// failing ones by name (postgres, migrations, kafka, ingest). It also sets
+// scheduler_ready.
+func (s *service) readiness(ctx context.Context) map[string]string {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	checks := map[string]string{}
+	var mu sync.Mutex
+	fail := func(name, why string) {
+		mu.Lock()
+		defer mu.Unlock()
+		checks[name] = why
+	}
+	var wg sync.WaitGroup
+	// The database and the brokers are probed at once, so that both being
+	// down costs one timeout, not two.
+	wg.Go(func() {
+		if err := s.pool.Ping(ctx); err != nil {
+			fail("postgres", err.Error())
+		} else if pending, river, err := migrations.Pending(ctx, s.pool); err != nil {
+			fail("migrations", err.Error())
+		} else if len(pending) > 0 || river > 0 {
+			fail("migrations", fmt.Sprintf("%d of the scheduler's and %d of River's pending", len(pending), river))
+		}
+	})
+	wg.Go(func() {
+		if err := s.brokers.check(ctx); err != nil {
+			fail("kafka", err.Error())
+		}
+	})
+	wg.Wait()
+	if !s.ingester.Joined() {
+		checks["ingest"] = "not joined to consumer group " + s.cfg.ConsumerGroup
+	}
+	s.metrics.SetReady(len(checks) == 0)
+	return checks
+}
+
+// refreshGauges keeps the gauges that cost a query fresh: every
+// METRICS_INTERVAL it reads the backlog (one statement, see
+// sql/metrics_backlog.sql) and evaluates readiness, so that scheduler_ready
+// is right even when nobody calls /readyz. Scrapes only read the results.
+func (s *service) refreshGauges(ctx context.Context) {
+	t := time.NewTicker(s.cfg.MetricsInterval)
+	defer t.Stop()
+	failing := false
+	for first := true; ; first = false {
+		if !first {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+		}
+		s.readiness(ctx)
+		qctx, cancel := context.WithTimeout(ctx, max(s.cfg.MetricsInterval, 5*time.Second))
+		b, err := s.backlog(qctx)
+		cancel()
+		switch {
+		case err != nil && ctx.Err() == nil:
+			// Once per outage: the interval may be short, and /readyz says
+			// the rest. The gauges keep their last values meanwhile.
+			if !failing {
+				s.logger.Warn("reading the backlog for metrics failed; gauges keep their last values", "error", err)
+			}
+			failing = true
+		case err == nil:
+			if failing {
+				s.logger.Info("reading the backlog for metrics works again")
+			}
+			failing = false
+			s.metrics.SetBacklog(b)
+		}
+	}
+}
+
+// backlog runs the backlog query. Targets that TARGET_TOPICS does not allow
+// (or none, or an invalid name) come from producers or operators, not from
+// configuration, so they are summed under metrics.OtherTarget to keep the
+// target label bounded.
+func (s *service) backlog(ctx context.Context) (metrics.Backlog, error) {
+	b := metrics.Backlog{Messages: map[string]map[string]int64{}, Due: map[string]int64{}}
+	rows, err := s.pool.Query(ctx, schedsql.MetricsBacklog)
+	if err != nil {
+		return b, fmt.Errorf("read backlog: %w", err)
+	}
+	defer rows.Close()
+	for rows.Next() {
+		var (
+			target, state   *string
+			n, due, held    int64
+			oldestDueSecond float64
+		)
+		if err := rows.Scan(&target, &state, &n, &due, &oldestDueSecond, &held); err != nil {
+			return b, fmt.Errorf("read backlog: %w", err)
+		}
+		b.OldestDue = time.Duration(oldestDueSecond * float64(time.Second))
+		b.HeldKeys = held
+		if state == nil {
+			continue // no message at all
+		}
+		label := metrics.OtherTarget
+		if target != nil && deferral.ValidTopic(*target) && s.cfg.targets.Allows(*target) {
+			label = *target
+		}
+		if b.Messages[label] == nil {
+			b.Messages[label] = map[string]int64{}
+		}
+		b.Messages[label][*state] += n
+		b.Due[label] += due
+	}
+	if err := rows.Err(); err != nil {
+		return b, fmt.Errorf("read backlog: %w", err)
+	}
+	return b, nil
+}
+
+// brokerCheck tells /readyz whether the brokers answer. It opens a fresh
+// connection to each bootstrap broker (with the service's TLS and SASL, so a
+// credential problem shows too) and sends ApiVersions, the cheapest request,
+// which needs no topic; one answer is enough. The producer's and consumer's
+// own connections are no evidence: they are reused and reconnected lazily. The
+// result is kept for brokerCheckEvery, so probes cost a connection every few
+// seconds at most however often /readyz is called.
+type brokerCheck struct {
+	addrs []string
+	conf  *sarama.Config
+
+	mu   sync.Mutex
+	at   time.Time
+	last error
+}
+
+const (
+	brokerCheckEvery   = 2 * time.Second
+	brokerCheckTimeout = 2 * time.Second
+)
+
+// newBrokerCheck probes addrs with conf, which it keeps and changes.
+func newBrokerCheck(addrs []string, conf *sarama.Config) *brokerCheck {
+	// Each network step is bounded by the probe's timeout; KAFKA_TIMEOUT may
+	// be longer, and readiness must answer fast.
+	conf.Net.DialTimeout = min(conf.Net.DialTimeout, brokerCheckTimeout)
+	conf.Net.ReadTimeout = min(conf.Net.ReadTimeout, brokerCheckTimeout)
+	conf.Net.WriteTimeout = min(conf.Net.WriteTimeout, brokerCheckTimeout)
+	return &brokerCheck{addrs: addrs, conf: conf}
+}
+
+// check returns the result of the last probe, probing again if it is older
+// than brokerCheckEvery.
+func (c *brokerCheck) check(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.at.IsZero() && time.Since(c.at) < brokerCheckEvery {
+		return c.last
+	}
+	// Not the caller's cancellation: a client that hung up must not leave a
+	// failed probe in the cache for the next caller.
+	c.last = c.probe(context.WithoutCancel(ctx))
+	c.at = time.Now()
+	return c.last
+}
+
+// probe asks every bootstrap broker at once and returns nil as soon as one
+// answers, or why none did within brokerCheckTimeout.
+func (c *brokerCheck) probe(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, brokerCheckTimeout)
+	defer cancel()
+	// Buffered: probes still running when we return finish on their own
+	// (their network steps are bounded) and must not block.
+	results := make(chan error, len(c.addrs))
+	for _, addr := range c.addrs {
+		go func() { results <- probeBroker(addr, c.conf) }()
+	}
+	var errs []error
+	for range c.addrs {
+		select {
+		case err := <-results:
+			if err == nil {
+				return nil
+			}
+			errs = append(errs, err)
+		case <-ctx.Done():
+			return fmt.Errorf("no broker of %s answered within %v", strings.Join(c.addrs, ","), brokerCheckTimeout)
+		}
+	}
+	return fmt.Errorf("no broker answered: %w", errors.Join(errs...))
+}
+
+func probeBroker(addr string, conf *sarama.Config) error {
+	b := sarama.NewBroker(addr)
+	if err := b.Open(conf); err != nil {
+		return fmt.Errorf("%s: %w", addr, err)
+	}
+	defer b.Close()
+	if _, err := b.ApiVersions(&sarama.ApiVersionsRequest{}); err != nil {
+		return fmt.Errorf("%s: %w", addr, err)
+	}
+	return nil
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/deferq/scheduler/internal/backoff"
+	"github.com/deferq/scheduler/internal/metrics"
 )
 
 // ConsumerConfig returns consumer-group settings for ingest: start from the
@@ -26,6 +27,11 @@ func ConsumerConfig(base *sarama.Config) *sarama.Config {
 	c.Consumer.Return.Errors = true
 	c.Consumer.Group.Rebalance.GroupStrategies = []sarama.BalanceStrategy{sarama.NewBalanceStrategySticky()}
 	c.ChannelBufferSize = 1024
+	// A fetch may wait MaxWaitTime for records before the broker answers,
+	// and the connection's read times out after Net.ReadTimeout
+	// (KAFKA_TIMEOUT): with a short timeout, every idle fetch would fail and
+	// drop the connection, and with it, at times, the group session.
+	c.Consumer.MaxWaitTime = min(c.Consumer.MaxWaitTime, c.Net.ReadTimeout/2)
 	return c
 }
 
@@ -37,6 +43,9 @@ type IngestConfig struct {
 	// written when it is full or when its first record has waited BatchLinger.
 	BatchSize   int
 	BatchLinger time.Duration
+	// Metrics receives per-batch counts, durations and lag; nil records
+	// nothing.
+	Metrics *metrics.Metrics
 }
 
 // Ingester consumes the defer topic and stores what it reads.
@@ -143,12 +152,26 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 	linger.Stop()
 	defer linger.Stop()
 
+	// Lag is the high-water mark minus the next offset to store. The
+	// consumer reads the high-water mark when the claim starts and with every
+	// fetch that returns records, whose batch then updates the lag: so
+	// updating at the start and after each batch keeps it current. The series
+	// belongs to whoever consumes the partition: it goes when the claim ends
+	// (a rebalance may give the partition to another process).
+	if next := claim.InitialOffset(); next >= 0 {
+		in.cfg.Metrics.SetLag(claim.Partition(), claim.HighWaterMarkOffset()-next)
+	}
+	defer in.cfg.Metrics.DeleteLag(claim.Partition())
 	flush := func(ctx context.Context) error {
 		if len(batch) == 0 {
 			return nil
 		}
+		next := batch[len(batch)-1].Offset + 1
 		err := in.flush(ctx, sess, claim.Topic(), claim.Partition(), batch)
 		batch = batch[:0]
+		if err == nil {
+			in.cfg.Metrics.SetLag(claim.Partition(), claim.HighWaterMarkOffset()-next)
+		}
 		return err
 	}
 	for {
@@ -249,8 +272,36 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 	in.stored.Add(stored)
 	in.rejected.Add(rejected)
 	in.duplicates.Add(int64(len(msgs)) - stored)
-	in.logger.Info("ingested batch", "topic", topic, "partition", partition,
-		"records", len(msgs), "stored", stored, "rejected", rejected, "duplicates", int64(len(msgs))-stored,
-		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", in.now().Sub(start))
+	took := in.now().Sub(start)
+	byCode := rejectedByCode(entries, rejected)
+	in.cfg.Metrics.IngestBatch(int(stored-rejected), len(msgs)-int(stored), int(rejected), byCode, took)
+	attrs := []any{"topic", topic, "partition", partition,
+		"records", len(msgs), "stored", stored, "rejected", rejected, "duplicates", int64(len(msgs)) - stored,
+		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", took}
+	if len(byCode) > 0 {
+		// Codes only: the rows hold the details, and a batch of bad records
+		// stays one line.
+		attrs = append(attrs, "rejected_by_reason", byCode)
+	}
+	in.logger.Info("ingested batch", attrs...)
 	return nil
+}
+
+// rejectedByCode counts by reason code the rejected entries of a batch that
+// were stored, of which the database reports there were stored. Usually that
+// is every rejected entry. When some were duplicates, the batch replays
+// records stored before, which precede the new ones in the partition: the
+// stored rejections are then the last ones, so they are counted from the end.
+func rejectedByCode(entries []Entry, stored int64) map[string]int {
+	if stored == 0 {
+		return nil
+	}
+	out := map[string]int{}
+	for i := len(entries) - 1; i >= 0 && stored > 0; i-- {
+		if rej := entries[i].Reject; rej != nil {
+			out[rej.Code]++
+			stored--
+		}
+	}
+	return out
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/deferq/scheduler/internal/backoff"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/keylock"
+	"github.com/deferq/scheduler/internal/metrics"
 )
 
 // Config tunes a Dispatcher.
@@ -35,6 +36,9 @@ type Config struct {
 	// Targets is the allow-list, checked again at publish time because an
 	// operator may have changed target_topic in SQL.
 	Targets deferral.TargetPatterns
+	// Metrics receives per-round counts and durations, and River job outcomes
+	// when this Config is a Runtime's; nil records nothing.
+	Metrics *metrics.Metrics
 }
 
 // Dispatcher runs claim, publish, finalize rounds for one loop.
@@ -183,6 +187,11 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 			if reason := d.refuse(m.Target); reason != "" {
 				// Parking releases the key, so stop the run here: what follows
 				// is claimed again next round, in order.
+				d.logger.Warn("parking message whose target may not be published to", "id", m.ID,
+					"target", m.Target, "reason", reason)
+				// Such a target comes from a producer or an operator, not
+				// from TARGET_TOPICS: it is not one to name in a label.
+				d.cfg.Metrics.Parked(metrics.OtherTarget, reason)
 				b.parks = append(b.parks, keylock.Park{ID: m.ID, Reason: reason})
 				break
 			}
@@ -212,16 +221,22 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 			}
 		}
 	}
+	// SendMessages returns once the last acknowledgement is in; the round's
+	// messages went out in one go, so this is their acknowledgement time.
+	acked := d.now()
 	if d.afterPublish != nil {
 		if err := d.afterPublish(); err != nil {
 			return st, errCrashed
 		}
 	}
 
+	mx := d.cfg.Metrics
 	var out keylock.Outcome
+	published := map[string]int{}
 	for _, b := range batches {
 		out.Parked = append(out.Parked, b.parks...)
 		var lastErr error
+		var firstFailed int64
 		blocked := false
 		for j, m := range b.msgs {
 			err, ok := failed[b.first+j]
@@ -233,20 +248,32 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 						"id", m.ID, "target", m.Target)
 				}
 				out.Published = append(out.Published, m.ID)
+				published[m.Target]++
+				mx.ObserveLateness(acked.Sub(m.NextRunAt))
 				continue
 			}
 			kind, reason := classify(err)
 			if kind == permanent {
 				d.logger.Warn("parking message the broker refused", "id", m.ID, "target", m.Target, "reason", reason)
+				mx.PublishError(m.Target, publishErrorCode(err))
+				mx.Parked(m.Target, reason)
 				out.Parked = append(out.Parked, keylock.Park{ID: m.ID, Reason: reason})
 				continue
+			}
+			mx.PublishError(m.Target, "retriable")
+			if !blocked {
+				firstFailed = m.ID
 			}
 			blocked, lastErr = true, err
 		}
 		if blocked {
 			out.Retry = append(out.Retry, b.claim)
-			d.logger.Warn("publish failed, key backs off", "target", b.msgs[0].Target, "error", lastErr)
+			d.logger.Warn("publish failed, key backs off", "id", firstFailed, "target", b.msgs[0].Target,
+				"reason", "retriable", "error", lastErr)
 		}
+	}
+	for target, n := range published {
+		mx.Published(target, n)
 	}
 	st.Published, st.Parked, st.Retry = len(out.Published), len(out.Parked), len(out.Retry)
 
@@ -267,8 +294,12 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 				st.Published, err)
 		}
 	}
-	d.logger.Debug("dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
-		"retry", st.Retry, "duration", d.now().Sub(start))
+	took := d.now().Sub(start)
+	mx.Round(took)
+	// One line per round that did something (empty rounds return above), so
+	// the log follows the work, not the polling.
+	d.logger.Info("dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
+		"retry", st.Retry, "duration", took)
 	return st, nil
 }
 

@@ -130,26 +130,34 @@ const (
 
 // classify sorts a publish error. Only errors that are about the message or
 // its target (and so will fail the same way every time) are permanent;
-// anything that could be the broker being away is retriable.
+// anything that could be the broker being away is retriable. The reason of a
+// permanent error is what the parked row's reason says.
 func classify(err error) (errorKind, string) {
-	var code string
+	code := publishErrorCode(err)
+	if code == "retriable" {
+		return retriable, code
+	}
+	return permanent, fmt.Sprintf("publish_failed: %s: %v", code, err)
+}
+
+// publishErrorCode names a publish error for metrics and reasons: the code of
+// a permanent error, or "retriable".
+func publishErrorCode(err error) string {
 	var cfgErr sarama.ConfigurationError
 	switch {
 	case errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"):
 		// sarama checks the size before sending and reports it this way.
-		code = "too_large"
+		return "too_large"
 	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
-		code = "unknown_topic"
+		return "unknown_topic"
 	case errors.Is(err, sarama.ErrInvalidTopic):
-		code = "invalid_topic"
+		return "invalid_topic"
 	case errors.Is(err, sarama.ErrTopicAuthorizationFailed):
-		code = "not_authorized"
+		return "not_authorized"
 	case errors.Is(err, sarama.ErrMessageSizeTooLarge), errors.Is(err, sarama.ErrMessageSetSizeTooLarge):
-		code = "too_large"
+		return "too_large"
 	case errors.Is(err, sarama.ErrInvalidRecord), errors.Is(err, sarama.ErrPolicyViolation):
-		code = "invalid_record"
-	default:
-		return retriable, "retriable"
+		return "invalid_record"
 	}
-	return permanent, fmt.Sprintf("publish_failed: %s: %v", code, err)
+	return "retriable"
 }

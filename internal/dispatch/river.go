@@ -89,7 +89,8 @@ type RuntimeConfig struct {
 	MaintenanceInterval time.Duration
 	// PollOnly makes River poll instead of LISTEN (PgBouncer transaction mode).
 	PollOnly bool
-	// Dispatch configures each loop.
+	// Dispatch configures each loop. Its Metrics also counts the outcomes of
+	// the River jobs this process works.
 	Dispatch Config
 }
 
@@ -107,6 +108,10 @@ type Runtime struct {
 	// liveness stops the heartbeat goroutine; done says it has returned.
 	liveness     context.CancelFunc
 	livenessDone chan struct{}
+	// unsubscribe ends the job-outcome subscription; eventsDone says its
+	// reader has returned.
+	unsubscribe func()
+	eventsDone  chan struct{}
 
 	afterPublish func() error // test hook, see Dispatcher
 }
@@ -179,7 +184,9 @@ func (rt *Runtime) Start(ctx context.Context) error {
 	if _, err := rt.pool.Exec(ctx, schedsql.InstanceHeartbeat, rt.client.ID()); err != nil {
 		return fmt.Errorf("register instance: %w", err)
 	}
+	rt.countJobOutcomes()
 	if err := rt.client.Start(ctx); err != nil {
+		rt.stopCountingJobOutcomes()
 		return fmt.Errorf("start river: %w", err)
 	}
 	if err := rt.reap(ctx); err != nil {
@@ -269,6 +276,7 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 	if err := rt.client.Stop(ctx); err != nil {
 		return fmt.Errorf("stop river: %w", err)
 	}
+	rt.stopCountingJobOutcomes()
 	if rt.liveness != nil {
 		rt.liveness()
 		<-rt.livenessDone
@@ -277,6 +285,59 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 		return fmt.Errorf("deregister instance: %w", err)
 	}
 	return nil
+}
+
+// countJobOutcomes subscribes to River's job events and counts them by kind
+// and outcome until stopCountingJobOutcomes, or until River stops (which
+// closes the channel). Events are River's own account of every run this
+// client finished, so failures that never reach our code (a timeout, a
+// panic) are counted too.
+func (rt *Runtime) countJobOutcomes() {
+	m := rt.cfg.Dispatch.Metrics
+	if m == nil {
+		return
+	}
+	events, unsubscribe := rt.client.Subscribe(river.EventKindJobCompleted, river.EventKindJobFailed,
+		river.EventKindJobCancelled, river.EventKindJobSnoozed, river.EventKindJobInterrupted)
+	rt.unsubscribe, rt.eventsDone = unsubscribe, make(chan struct{})
+	go func() {
+		defer close(rt.eventsDone)
+		for ev := range events {
+			if ev.Job != nil {
+				m.RiverJob(ev.Job.Kind, jobOutcome(ev))
+			}
+		}
+	}()
+}
+
+func (rt *Runtime) stopCountingJobOutcomes() {
+	if rt.unsubscribe == nil {
+		return
+	}
+	rt.unsubscribe()
+	<-rt.eventsDone
+	rt.unsubscribe = nil
+}
+
+// jobOutcome names what happened to a job run. A failed run is "failed"
+// when it will be retried and "discarded" when it was its last attempt.
+func jobOutcome(ev *river.Event) string {
+	switch ev.Kind {
+	case river.EventKindJobCompleted:
+		return "completed"
+	case river.EventKindJobFailed:
+		if ev.Job.State == rivertype.JobStateDiscarded {
+			return "discarded"
+		}
+		return "failed"
+	case river.EventKindJobCancelled:
+		return "cancelled"
+	case river.EventKindJobSnoozed:
+		return "snoozed"
+	case river.EventKindJobInterrupted:
+		return "interrupted"
+	}
+	return string(ev.Kind)
 }
 
 type loopWorker struct {

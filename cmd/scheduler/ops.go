@@ -1,0 +1,257 @@
+package main
+
+// The operator commands: status, ls, show, expedite, cancel and park. Each is
+// a thin wrapper over files of the SQL runbook (sql/runbook), run with the
+// variables an operator would pass to psql, so the CLI and the runbook cannot
+// drift apart. Output is an aligned table, or JSON with --json; an error is
+// one line on stderr (JSON with --json) and a non-zero exit: 2 for a usage
+// error (nothing was attempted), 1 for anything else.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// opsConnectTimeout bounds connecting to the database: an operator asking a
+// question during an incident wants "the database is down" at once, not a
+// hang.
+const opsConnectTimeout = 5 * time.Second
+
+// messageStates are the values of deferred_message.state.
+func messageStates() []string { return []string{"pending", "parked", "rejected"} }
+
+// usageError marks a mistake in how a command was called (exit code 2).
+type usageError struct{ err error }
+
+func (e usageError) Error() string { return e.err.Error() }
+func (e usageError) Unwrap() error { return e.err }
+
+func usagef(format string, args ...any) error { return usageError{fmt.Errorf(format, args...)} }
+
+// ops is what one operator command runs with.
+type ops struct {
+	name           string // the subcommand, for messages
+	json           bool
+	stdout, stderr io.Writer
+}
+
+// newOps returns the command's state and a flag set with --json defined.
+func newOps(name string, args []string, stdout, stderr io.Writer) (*ops, *flag.FlagSet) {
+	o := &ops{name: name, stdout: stdout, stderr: stderr}
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.BoolVar(&o.json, "json", false, "print JSON for scripts; errors too, as {\"error\": \"...\"} on stderr")
+	// Known before parsing, so that a flag parse error is reported as JSON
+	// when JSON was asked for.
+	o.json = jsonRequested(args)
+	return o, fs
+}
+
+// jsonRequested reports whether args ask for JSON output, before flags are
+// parsed.
+func jsonRequested(args []string) bool {
+	for _, a := range args {
+		if a == "--" {
+			break
+		}
+		name, value, hasValue := strings.Cut(strings.TrimLeft(a, "-"), "=")
+		if strings.HasPrefix(a, "-") && name == "json" {
+			b, err := strconv.ParseBool(value)
+			return !hasValue || (err == nil && b)
+		}
+	}
+	return false
+}
+
+// parse parses flags wherever they stand among the arguments, as operators
+// type them (scheduler cancel 5 6 --json), and returns the other arguments.
+// "--" ends the flags. done means the caller returns code: help was asked
+// for, or the arguments are wrong.
+func (o *ops) parse(fs *flag.FlagSet, args []string, help string) (pos []string, done bool, code int) {
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	for {
+		err := fs.Parse(args)
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprint(o.stdout, help)
+			fmt.Fprint(o.stdout, "\nFlags:\n")
+			fs.SetOutput(o.stdout)
+			fs.PrintDefaults()
+			return nil, true, 0
+		}
+		if err != nil {
+			return nil, true, o.exit(usageError{err})
+		}
+		rest := fs.Args()
+		if len(rest) == 0 {
+			return pos, false, 0
+		}
+		if consumed := len(args) - len(rest); consumed > 0 && args[consumed-1] == "--" {
+			return append(pos, rest...), false, 0
+		}
+		pos, args = append(pos, rest[0]), rest[1:]
+	}
+}
+
+// exit reports err, if any, and returns the exit code.
+func (o *ops) exit(err error) int {
+	if err == nil {
+		return 0
+	}
+	code, msg := 1, err.Error()
+	if errors.As(err, new(usageError)) {
+		code = 2
+		msg += " (see scheduler " + o.name + " --help)"
+	}
+	msg = oneLine(msg)
+	if o.json {
+		b, _ := json.Marshal(map[string]string{"error": msg}) // a map of strings always marshals
+		fmt.Fprintf(o.stderr, "%s\n", b)
+	} else {
+		fmt.Fprintf(o.stderr, "scheduler %s: %s\n", o.name, msg)
+	}
+	return code
+}
+
+// oneLine joins the lines of a message (errors.Join, a connect error that
+// lists each address tried) so that every error is one line. Repeated lines
+// say nothing new and are dropped.
+func oneLine(s string) string {
+	var b strings.Builder
+	var seen []string
+	for _, l := range strings.Split(s, "\n") {
+		if l = strings.TrimSpace(l); l == "" || slices.Contains(seen, l) {
+			continue
+		}
+		seen = append(seen, l)
+		switch {
+		case b.Len() == 0:
+		case strings.HasSuffix(b.String(), ":"):
+			b.WriteString(" ")
+		default:
+			b.WriteString("; ")
+		}
+		b.WriteString(l)
+	}
+	return b.String()
+}
+
+func (o *ops) printJSON(v any) error {
+	enc := json.NewEncoder(o.stdout)
+	enc.SetIndent("", "  ")
+	enc.SetEscapeHTML(false)
+	return enc.Encode(v)
+}
+
+// connect opens one connection to DATABASE_URL, failing within
+// opsConnectTimeout when the database does not answer.
+func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) {
+	cfg, err := loadConfig(environ)
+	if err != nil {
+		return nil, usageError{fmt.Errorf("configuration: %w", err)}
+	}
+	if cfg.DatabaseURL == "" {
+		return nil, usagef("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db")
+	}
+	cc, err := pgx.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return nil, usageError{fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)}
+	}
+	cc.ConnectTimeout = opsConnectTimeout
+	cc.RuntimeParams["application_name"] = "defer-scheduler-" + o.name
+	cctx, cancel := context.WithTimeout(ctx, opsConnectTimeout)
+	defer cancel()
+	conn, err := pgx.ConnectConfig(cctx, cc)
+	if err != nil {
+		return nil, fmt.Errorf("connect to the database at %s:%d: %w", cc.Host, cc.Port, err)
+	}
+	return conn, nil
+}
+
+// withConn connects and runs f, closing the connection after.
+func (o *ops) withConn(ctx context.Context, environ []string, f func(conn *pgx.Conn) error) error {
+	conn, err := o.connect(ctx, environ)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		// Closing sends a goodbye; bound it, since the command's own
+		// context may be cancelled already and the network may be gone.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		conn.Close(cctx)
+	}()
+	return f(conn)
+}
+
+// inTx runs f in a transaction that commits only if f succeeds, so a command
+// that finds a problem halfway changes nothing.
+func inTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, f func(tx pgx.Tx) error) error {
+	tx, err := conn.BeginTx(ctx, opts)
+	if err != nil {
+		return fmt.Errorf("begin transaction: %w", err)
+	}
+	if err := f(tx); err != nil {
+		_ = tx.Rollback(context.WithoutCancel(ctx)) // the error that matters is f's
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// readOnly gives commands that run several statements one consistent
+// snapshot.
+func readOnly() pgx.TxOptions {
+	return pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
+}
+
+// opsMessage is one message as list.sql and every changing runbook file
+// return it.
+type opsMessage struct {
+	ID          int64     `db:"id" json:"id"`
+	BusinessKey *string   `db:"business_key" json:"business_key"`
+	Seq         int64     `db:"seq" json:"seq"`
+	TargetTopic *string   `db:"target_topic" json:"target_topic"`
+	State       string    `db:"state" json:"state"`
+	NextRunAt   time.Time `db:"next_run_at" json:"next_run_at"`
+	Attempt     int32     `db:"attempt" json:"attempt"`
+	Reason      *string   `db:"reason" json:"reason"`
+}
+
+// parseIDs parses message ids given as arguments, each one id or a
+// comma-separated list, and returns them without duplicates, in order.
+func parseIDs(args []string) ([]int64, error) {
+	var ids []int64
+	for _, a := range args {
+		for _, s := range strings.Split(a, ",") {
+			id, err := strconv.ParseInt(strings.TrimSpace(s), 10, 64)
+			if err != nil || id <= 0 {
+				return nil, usagef("%q is not a message id: want a positive integer", s)
+			}
+			if !slices.Contains(ids, id) {
+				ids = append(ids, id)
+			}
+		}
+	}
+	return ids, nil
+}
+
+// idList is the :'ids' variable of the id runbook files.
+func idList(ids []int64) string {
+	s := make([]string, len(ids))
+	for i, id := range ids {
+		s[i] = strconv.FormatInt(id, 10)
+	}
+	return strings.Join(s, ",")
+}

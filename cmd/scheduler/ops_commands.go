@@ -1,0 +1,724 @@
+package main
+
+import (
+	"cmp"
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"maps"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+)
+
+// previewBytes is how much of a value `show` prints without --full: enough
+// to recognise a payload, little enough for one screen.
+const previewBytes = 256
+
+// rejectedWindow is the period `status` counts rejections over.
+const rejectedWindow = "1 hour"
+
+const statusHelp = `Usage: scheduler status [--json]
+
+One screen on the scheduler's database (DATABASE_URL): the backlog by target
+topic and state; how late dispatch is (the oldest key head that is due); how
+many business keys are held (backing off after failed publishes, or leased by
+a dispatcher); and what ingest rejected in the last hour, by reason.
+
+It runs the runbook files backlog.sql, oldest_due.sql, held_keys.sql and
+rejected_recent.sql (sql/runbook) in one snapshot; run those with psql for the
+details.
+`
+
+// cmdStatus implements `scheduler status`.
+func cmdStatus(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("status", args, stdout, stderr)
+	pos, done, code := o.parse(fs, args, statusHelp)
+	if done {
+		return code
+	}
+	if len(pos) > 0 {
+		return o.exit(usagef("unexpected argument %q", pos[0]))
+	}
+	var s statusReport
+	err := o.withConn(ctx, environ, func(conn *pgx.Conn) error {
+		return inTx(ctx, conn, readOnly(), func(tx pgx.Tx) (err error) {
+			s, err = readStatus(ctx, tx)
+			return err
+		})
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	if o.json {
+		return o.exit(o.printJSON(s))
+	}
+	s.print(o.stdout)
+	return 0
+}
+
+// backlogRow is a row of backlog.sql.
+type backlogRow struct {
+	TargetTopic *string    `db:"target_topic" json:"target_topic"`
+	State       string     `db:"state" json:"state"`
+	Messages    int64      `db:"messages" json:"messages"`
+	Due         int64      `db:"due" json:"due"`
+	FirstRunAt  *time.Time `db:"first_run_at" json:"first_run_at"`
+	LastRunAt   *time.Time `db:"last_run_at" json:"last_run_at"`
+}
+
+// oldestDueRow is the row of oldest_due.sql.
+type oldestDueRow struct {
+	DueHeads        int64           `db:"due_heads" json:"-"`
+	ID              *int64          `db:"id" json:"id"`
+	BusinessKey     *string         `db:"business_key" json:"business_key"`
+	TargetTopic     *string         `db:"target_topic" json:"target_topic"`
+	DueAt           *time.Time      `db:"due_at" json:"due_at"`
+	Lateness        pgtype.Interval `db:"lateness" json:"-"` // for psql; lateness_seconds is exact
+	LatenessSeconds float64         `db:"lateness_seconds" json:"lateness_seconds"`
+}
+
+// heldKeyRow is a row of held_keys.sql.
+type heldKeyRow struct {
+	BusinessKey *string    `db:"business_key" json:"business_key"`
+	Why         string     `db:"why" json:"why"`
+	Failures    int32      `db:"failures" json:"failures"`
+	LeasedUntil *time.Time `db:"leased_until" json:"leased_until"`
+	LeasedBy    *string    `db:"leased_by" json:"leased_by"`
+	HeadID      int64      `db:"head_id" json:"head_id"`
+	HeadSeq     *int64     `db:"head_seq" json:"head_seq"`
+	TargetTopic *string    `db:"target_topic" json:"target_topic"`
+	NextRunAt   time.Time  `db:"next_run_at" json:"next_run_at"`
+	Attempt     *int32     `db:"attempt" json:"attempt"`
+	ErrorClass  *string    `db:"error_class" json:"error_class"`
+}
+
+// rejectedRow is a row of rejected_recent.sql.
+type rejectedRow struct {
+	Reason   string    `db:"reason" json:"reason"`
+	Messages int64     `db:"messages" json:"messages"`
+	Latest   time.Time `db:"latest" json:"latest"`
+}
+
+// statusReport is what `status` prints.
+type statusReport struct {
+	Backlog          []backlogRow  `json:"backlog"`
+	DueHeads         int64         `json:"due_heads"`
+	LatenessSeconds  float64       `json:"lateness_seconds"`
+	OldestDue        *oldestDueRow `json:"oldest_due"` // null when no head is due
+	HeldKeys         int           `json:"held_keys"`
+	BackingOffKeys   int           `json:"backing_off_keys"`
+	RejectedLastHour int64         `json:"rejected_last_hour"`
+	RejectedReasons  []rejectedRow `json:"rejected_reasons"`
+}
+
+func readStatus(ctx context.Context, q queryer) (statusReport, error) {
+	var s statusReport
+	var err error
+	if s.Backlog, err = runbookRows[backlogRow](ctx, q, "backlog.sql", nil); err != nil {
+		return s, err
+	}
+	due, err := runbookRows[oldestDueRow](ctx, q, "oldest_due.sql", nil)
+	if err != nil {
+		return s, err
+	}
+	if len(due) != 1 {
+		return s, fmt.Errorf("runbook oldest_due.sql: %d rows, want 1", len(due))
+	}
+	s.DueHeads, s.LatenessSeconds = due[0].DueHeads, due[0].LatenessSeconds
+	if due[0].ID != nil {
+		s.OldestDue = &due[0]
+	}
+	held, err := runbookRows[heldKeyRow](ctx, q, "held_keys.sql", nil)
+	if err != nil {
+		return s, err
+	}
+	s.HeldKeys = len(held)
+	for _, h := range held {
+		if h.Failures > 0 {
+			s.BackingOffKeys++
+		}
+	}
+	if s.RejectedReasons, err = runbookRows[rejectedRow](ctx, q, "rejected_recent.sql", map[string]string{"window": rejectedWindow}); err != nil {
+		return s, err
+	}
+	for _, r := range s.RejectedReasons {
+		s.RejectedLastHour += r.Messages
+	}
+	return s, nil
+}
+
+func (s statusReport) print(w io.Writer) {
+	fmt.Fprintln(w, "Backlog by target and state:")
+	if len(s.Backlog) == 0 {
+		fmt.Fprintln(w, "  empty")
+	} else {
+		t := newTable(w, "  TARGET", "STATE", "MESSAGES", "DUE", "FIRST RUN AT", "LAST RUN AT")
+		for _, b := range s.Backlog {
+			t.row("  "+orDash(b.TargetTopic), b.State, strconv.FormatInt(b.Messages, 10), strconv.FormatInt(b.Due, 10),
+				formatTimePtr(b.FirstRunAt), formatTimePtr(b.LastRunAt))
+		}
+		t.flush()
+	}
+	if o := s.OldestDue; o == nil {
+		fmt.Fprintln(w, "Lateness: none, no key head is due")
+	} else {
+		fmt.Fprintf(w, "Lateness: %s: message %d (key %s, target %s) was due at %s; %d key head%s due\n",
+			humanDuration(time.Duration(s.LatenessSeconds*float64(time.Second))), *o.ID,
+			printable(orDash(o.BusinessKey), false), printable(orDash(o.TargetTopic), false),
+			formatTimePtr(o.DueAt), s.DueHeads, plural(s.DueHeads, "", "s"))
+	}
+	fmt.Fprintf(w, "Held keys: %d, %d backing off after failed publishes (held_keys.sql lists them)\n", s.HeldKeys, s.BackingOffKeys)
+	if s.RejectedLastHour == 0 {
+		fmt.Fprintln(w, "Rejected in the last hour: none")
+	} else {
+		var top []string
+		for i, r := range s.RejectedReasons {
+			if i == 5 {
+				top = append(top, "...")
+				break
+			}
+			top = append(top, fmt.Sprintf("%s %d", printable(r.Reason, false), r.Messages))
+		}
+		fmt.Fprintf(w, "Rejected in the last hour: %d (%s)\n", s.RejectedLastHour, strings.Join(top, ", "))
+	}
+}
+
+const lsHelp = `Usage: scheduler ls [flags]
+
+Lists messages in due order (next_run_at, then id): id, business key, seq,
+target topic, state, due time, attempt and reason. Filters combine; with none,
+the first messages of the whole table. --json prints an array of objects.
+It runs the runbook file list.sql.
+
+Examples:
+  scheduler ls --state parked --target payments.retry
+  scheduler ls --key order-42
+  scheduler ls --state rejected --reason missing_target --json
+`
+
+// cmdLs implements `scheduler ls`.
+func cmdLs(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("ls", args, stdout, stderr)
+	target := fs.String("target", "", "only messages for this target topic")
+	state := fs.String("state", "", "only messages in this state: "+strings.Join(messageStates(), ", "))
+	key := fs.String("key", "", "only messages of this business key (exact match)")
+	reason := fs.String("reason", "", "only messages whose reason contains this text (case-insensitive)")
+	limit := fs.Int("limit", 50, "print at most this many messages, 1..100000")
+	pos, done, code := o.parse(fs, args, lsHelp)
+	if done {
+		return code
+	}
+	if len(pos) > 0 {
+		return o.exit(usagef("unexpected argument %q", pos[0]))
+	}
+	if *state != "" && !slices.Contains(messageStates(), *state) {
+		return o.exit(usagef("--state %q is not a state: want one of %s", *state, strings.Join(messageStates(), ", ")))
+	}
+	if *limit < 1 || *limit > 100000 {
+		return o.exit(usagef("--limit %d is out of range: want 1..100000", *limit))
+	}
+	vars := map[string]string{"target": *target, "state": *state, "key": *key, "reason": *reason, "limit": strconv.Itoa(*limit)}
+	var rows []opsMessage
+	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+		rows, err = runbookRows[opsMessage](ctx, conn, "list.sql", vars)
+		return err
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	if o.json {
+		return o.exit(o.printJSON(rows))
+	}
+	if len(rows) == 0 {
+		fmt.Fprintln(o.stdout, "no messages match")
+		return 0
+	}
+	printMessages(o.stdout, rows)
+	if len(rows) == *limit {
+		fmt.Fprintf(o.stdout, "(the first %d; --limit shows more)\n", *limit)
+	}
+	return 0
+}
+
+const showHelp = `Usage: scheduler show [--full] [--json] ID
+
+Shows one message: its row (where and when it goes, its state and why,
+whether it heads its business key and how many messages of the key are ahead
+of it, where it was read), its record key, its headers in order, its value,
+and its lineage (the message it re-defers, and those that re-defer it).
+Keys, header values and the value are printed as text when they are valid
+UTF-8, else as \x and hex; only their first 256 bytes unless --full.
+It runs the runbook file show_message.sql.
+`
+
+// cmdShow implements `scheduler show`.
+func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("show", args, stdout, stderr)
+	full := fs.Bool("full", false, "print keys and values whole, not their first 256 bytes")
+	pos, done, code := o.parse(fs, args, showHelp)
+	if done {
+		return code
+	}
+	if len(pos) != 1 {
+		return o.exit(usagef("want one message id, got %d arguments", len(pos)))
+	}
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return o.exit(err)
+	}
+	if len(ids) != 1 {
+		return o.exit(usagef("want one message id, got %q", pos[0]))
+	}
+	var st story
+	err = o.withConn(ctx, environ, func(conn *pgx.Conn) error {
+		return inTx(ctx, conn, readOnly(), func(tx pgx.Tx) (err error) {
+			st, err = readStory(ctx, tx, ids[0])
+			return err
+		})
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	if !*full {
+		st.preview(previewBytes)
+	}
+	if o.json {
+		return o.exit(o.printJSON(st))
+	}
+	st.print(o.stdout, time.Now())
+	return 0
+}
+
+// messageRow is the first result of show_message.sql.
+type messageRow struct {
+	opsMessage
+	ErrorClass      *string   `db:"error_class" json:"error_class"`
+	ErrorMessage    *string   `db:"error_message" json:"error_message"`
+	OriginID        *int64    `db:"origin_id" json:"origin_id"`
+	CreatedAt       time.Time `db:"created_at" json:"created_at"`
+	UpdatedAt       time.Time `db:"updated_at" json:"updated_at"`
+	SourceTopic     *string   `db:"source_topic" json:"source_topic"`
+	SourcePartition *int32    `db:"source_partition" json:"source_partition"`
+	SourceOffset    *int64    `db:"source_offset" json:"source_offset"`
+	IsHead          bool      `db:"is_head" json:"is_head"`
+	PendingAhead    *int64    `db:"pending_ahead" json:"pending_ahead"`
+	KeyEncoding     *string   `db:"key_encoding" json:"key_encoding"` // text, hex, or null: no key
+	Key             *string   `db:"key" json:"key"`
+	KeyTruncated    bool      `db:"-" json:"key_truncated"`
+	ValueBytes      *int32    `db:"value_bytes" json:"value_bytes"`
+	ValueEncoding   *string   `db:"value_encoding" json:"value_encoding"`
+	Value           *string   `db:"value" json:"value"`
+	ValueTruncated  bool      `db:"-" json:"value_truncated"`
+}
+
+// headerRow is a row of the second result of show_message.sql.
+type headerRow struct {
+	Position  int64   `db:"position" json:"position"`
+	Key       *string `db:"key" json:"key"`
+	Encoding  *string `db:"encoding" json:"encoding"`
+	Value     *string `db:"value" json:"value"`
+	Truncated bool    `db:"-" json:"truncated"`
+}
+
+// lineageRow is a row of the third result of show_message.sql.
+type lineageRow struct {
+	Relation string `db:"relation" json:"relation"`
+	opsMessage
+}
+
+// story is what `show` prints.
+type story struct {
+	Message messageRow   `json:"message"`
+	Headers []headerRow  `json:"headers"`
+	Lineage []lineageRow `json:"lineage"`
+}
+
+func readStory(ctx context.Context, q queryer, id int64) (story, error) {
+	var st story
+	const file = "show_message.sql"
+	sts, err := runbookStatements(file, map[string]string{"id": strconv.FormatInt(id, 10)})
+	if err != nil {
+		return st, err
+	}
+	if len(sts) != 3 {
+		return st, fmt.Errorf("runbook %s: %d statements, want 3", file, len(sts))
+	}
+	rows, err := collectStatement[messageRow](ctx, q, sts[0])
+	if err != nil {
+		return st, explainDBError(file, err)
+	}
+	if len(rows) == 0 {
+		return st, fmt.Errorf("no message with id %d", id)
+	}
+	st.Message = rows[0]
+	if st.Headers, err = collectStatement[headerRow](ctx, q, sts[1]); err != nil {
+		return st, explainDBError(file, err)
+	}
+	if st.Lineage, err = collectStatement[lineageRow](ctx, q, sts[2]); err != nil {
+		return st, explainDBError(file, err)
+	}
+	return st, nil
+}
+
+// preview cuts the key, header values and value to their first n bytes.
+func (st *story) preview(n int) {
+	m := &st.Message
+	m.Key, m.KeyTruncated = previewOf(m.Key, m.KeyEncoding, n)
+	m.Value, m.ValueTruncated = previewOf(m.Value, m.ValueEncoding, n)
+	for i := range st.Headers {
+		h := &st.Headers[i]
+		h.Value, h.Truncated = previewOf(h.Value, h.Encoding, n)
+	}
+}
+
+func (st story) print(w io.Writer, now time.Time) {
+	m := st.Message
+	var where string
+	switch {
+	case m.State != "pending":
+		where = m.State
+	case m.BusinessKey == nil:
+		where = "pending, unordered (a head of its own)"
+	case m.IsHead:
+		where = "pending, head of its key"
+	default:
+		where = fmt.Sprintf("pending, behind %d pending message%s of its key", deref(m.PendingAhead), plural(deref(m.PendingAhead), "", "s"))
+	}
+	fmt.Fprintf(w, "Message %d: %s\n", m.ID, where)
+	t := newTable(w)
+	field := func(name, value string) { t.row("  "+name, value) }
+	field("business key", printable(orDash(m.BusinessKey), false))
+	field("seq", strconv.FormatInt(m.Seq, 10))
+	field("target topic", printable(orDash(m.TargetTopic), false))
+	field("next run at", formatTime(m.NextRunAt)+" ("+relative(m.NextRunAt, now)+")")
+	field("attempt", strconv.Itoa(int(m.Attempt)))
+	field("reason", printable(orDash(m.Reason), false))
+	errText := orDash(m.ErrorClass)
+	if m.ErrorMessage != nil {
+		errText += ": " + *m.ErrorMessage
+	}
+	field("error", printable(errText, false))
+	origin := "-"
+	if m.OriginID != nil {
+		origin = strconv.FormatInt(*m.OriginID, 10)
+	}
+	field("origin id", origin)
+	source := "-"
+	if m.SourceTopic != nil && m.SourcePartition != nil && m.SourceOffset != nil {
+		source = fmt.Sprintf("%s partition %d offset %d", printable(*m.SourceTopic, false), *m.SourcePartition, *m.SourceOffset)
+	}
+	field("read from", source)
+	field("created at", formatTime(m.CreatedAt))
+	field("updated at", formatTime(m.UpdatedAt))
+	t.flush()
+
+	if m.Key == nil {
+		fmt.Fprintln(w, "Key: none")
+	} else {
+		fmt.Fprintf(w, "Key (%s%s): %s\n", *m.KeyEncoding, truncatedNote(m.KeyTruncated), printable(*m.Key, false))
+	}
+	if len(st.Headers) == 0 {
+		fmt.Fprintln(w, "Headers: none")
+	} else {
+		fmt.Fprintln(w, "Headers:")
+		t := newTable(w, "  #", "KEY", "ENCODING", "VALUE")
+		for _, h := range st.Headers {
+			value := "-"
+			if h.Value != nil {
+				value = printable(*h.Value, false)
+				if h.Truncated {
+					value += " ..."
+				}
+			}
+			t.row("  "+strconv.FormatInt(h.Position, 10), printable(orDash(h.Key), false), orDash(h.Encoding), value)
+		}
+		t.flush()
+	}
+	if m.Value == nil {
+		fmt.Fprintln(w, "Value: none (null)")
+	} else {
+		fmt.Fprintf(w, "Value (%s, %d bytes%s):\n%s\n", *m.ValueEncoding, deref(m.ValueBytes), truncatedNote(m.ValueTruncated), printable(*m.Value, true))
+	}
+	if len(st.Lineage) == 0 {
+		fmt.Fprintln(w, "Lineage: none")
+	} else {
+		fmt.Fprintln(w, "Lineage:")
+		t := newTable(w, append([]string{"  RELATION"}, messageColumns()...)...)
+		for _, l := range st.Lineage {
+			t.row(append([]string{"  " + l.Relation}, messageCells(l.opsMessage)...)...)
+		}
+		t.flush()
+	}
+}
+
+func truncatedNote(truncated bool) string {
+	if truncated {
+		return fmt.Sprintf(", first %d bytes; --full for all", previewBytes)
+	}
+	return ""
+}
+
+const expediteHelp = `Usage: scheduler expedite (--id ID[,ID...] | --key KEY | --target TOPIC) [--json]
+
+Makes pending messages due now and prints them. Per-key order still holds: a
+message goes out once it heads its business key, and a key that backs off
+after failed publishes keeps its back-off. Give exactly one of:
+
+  --id      the given messages (runbook expedite_id.sql). If any of them does
+            not exist or is not pending, nothing changes.
+  --key     the waiting messages of one business key (expedite_key.sql)
+  --target  the waiting messages for one target topic (expedite_target.sql)
+
+A key or target without pending messages is an error; one whose pending
+messages are all due already has nothing to expedite, which is not.
+`
+
+// cmdExpedite implements `scheduler expedite`.
+func cmdExpedite(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("expedite", args, stdout, stderr)
+	idFlag := fs.String("id", "", "expedite these pending messages: an id, or ids separated by commas")
+	key := fs.String("key", "", "expedite the waiting messages of this business key")
+	target := fs.String("target", "", "expedite the waiting messages for this target topic")
+	pos, done, code := o.parse(fs, args, expediteHelp)
+	if done {
+		return code
+	}
+	if len(pos) > 0 {
+		return o.exit(usagef("unexpected argument %q", pos[0]))
+	}
+	var given []string
+	fs.Visit(func(f *flag.Flag) {
+		if f.Name != "json" {
+			given = append(given, "--"+f.Name)
+		}
+	})
+	if len(given) != 1 {
+		return o.exit(usagef("give exactly one of --id, --key and --target (got %d)", len(given)))
+	}
+	var ids []int64
+	var err error
+	switch given[0] {
+	case "--id":
+		if ids, err = parseIDs([]string{*idFlag}); err != nil {
+			return o.exit(err)
+		}
+	case "--key":
+		if *key == "" {
+			return o.exit(usagef("--key is empty"))
+		}
+	case "--target":
+		if *target == "" {
+			return o.exit(usagef("--target is empty"))
+		}
+	}
+	var changed []opsMessage
+	var note string
+	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+		switch given[0] {
+		case "--id":
+			changed, err = changeIDs(ctx, conn, "expedite_id.sql", ids, nil, "only pending messages can be expedited (replay a parked one)")
+		case "--key":
+			changed, note, err = expediteAll(ctx, conn, "expedite_key.sql", "key", *key, "business key")
+		case "--target":
+			changed, note, err = expediteAll(ctx, conn, "expedite_target.sql", "target", *target, "target topic")
+		}
+		return err
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	return o.exit(o.printChanged("expedited", changed, note))
+}
+
+// expediteAll runs expedite_key.sql or expedite_target.sql. When it changes
+// nothing, it tells a key or target with no pending message (likely a typo:
+// an error) from one whose pending messages are all due already (a note).
+func expediteAll(ctx context.Context, conn *pgx.Conn, file, variable, value, what string) ([]opsMessage, string, error) {
+	changed, err := runbookRows[opsMessage](ctx, conn, file, map[string]string{variable: value})
+	if err != nil || len(changed) > 0 {
+		return sortByID(changed), "", err
+	}
+	filter := map[string]string{"target": "", "state": "pending", "key": "", "reason": "", "limit": "1"}
+	filter[variable] = value
+	pending, err := runbookRows[opsMessage](ctx, conn, "list.sql", filter)
+	if err != nil {
+		return nil, "", err
+	}
+	if len(pending) == 0 {
+		return nil, "", fmt.Errorf("no pending message with %s %q", what, value)
+	}
+	return changed, fmt.Sprintf("nothing to expedite: the pending messages with %s %q are all due already", what, value), nil
+}
+
+const cancelHelp = `Usage: scheduler cancel [--json] ID...
+
+Deletes the given messages for good, whatever their state, and prints them.
+Ids are arguments, or separated by commas. If any of them does not exist,
+nothing is deleted. There is no undo. It runs the runbook file cancel_id.sql.
+`
+
+// cmdCancel implements `scheduler cancel`.
+func cmdCancel(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("cancel", args, stdout, stderr)
+	pos, done, code := o.parse(fs, args, cancelHelp)
+	if done {
+		return code
+	}
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return o.exit(err)
+	}
+	if len(ids) == 0 {
+		return o.exit(usagef("want at least one message id"))
+	}
+	var changed []opsMessage
+	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+		changed, err = changeIDs(ctx, conn, "cancel_id.sql", ids, nil, "")
+		return err
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	return o.exit(o.printChanged("cancelled", changed, ""))
+}
+
+const parkHelp = `Usage: scheduler park --reason TEXT [--json] ID...
+
+Parks the given pending messages: state 'parked' with the reason
+"parked by operator: TEXT", and prints them. A parked message is never sent
+and releases its key: the rest of the key goes on without it. Ids are
+arguments, or separated by commas. If any of them does not exist or is not
+pending, nothing changes. It runs the runbook file park_id.sql; the runbook
+file replay_parked.sql sends a target's parked messages again.
+`
+
+// cmdPark implements `scheduler park`.
+func cmdPark(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("park", args, stdout, stderr)
+	reason := fs.String("reason", "", `why, recorded as the reason "parked by operator: TEXT" (required)`)
+	pos, done, code := o.parse(fs, args, parkHelp)
+	if done {
+		return code
+	}
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return o.exit(err)
+	}
+	if len(ids) == 0 {
+		return o.exit(usagef("want at least one message id"))
+	}
+	if strings.TrimSpace(*reason) == "" {
+		return o.exit(usagef("--reason is required: say why, for whoever replays it"))
+	}
+	var changed []opsMessage
+	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+		changed, err = changeIDs(ctx, conn, "park_id.sql", ids, map[string]string{"why": *reason}, "only pending messages can be parked")
+		return err
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	return o.exit(o.printChanged("parked", changed, ""))
+}
+
+// printChanged prints what a changing command did: the messages as they are
+// now (as they were, for a cancel), then a count, or with --json
+// {"<verb>": n, "messages": [...]} and a note if there is one.
+func (o *ops) printChanged(verb string, changed []opsMessage, note string) error {
+	if changed == nil {
+		changed = []opsMessage{}
+	}
+	if o.json {
+		out := map[string]any{verb: len(changed), "messages": changed}
+		if note != "" {
+			out["note"] = note
+		}
+		return o.printJSON(out)
+	}
+	if len(changed) > 0 {
+		printMessages(o.stdout, changed)
+	}
+	if note != "" {
+		fmt.Fprintln(o.stdout, note)
+		return nil
+	}
+	_, err := fmt.Fprintf(o.stdout, "%s %d message%s\n", verb, len(changed), plural(len(changed), "", "s"))
+	return err
+}
+
+// changeIDs runs the runbook file name with vars and :'ids' set to ids, in a
+// transaction that commits only if every id was changed. Otherwise it rolls
+// back and says, for each id left out, whether it does not exist or which
+// state it is in, followed by onlyPending when some exist.
+func changeIDs(ctx context.Context, conn *pgx.Conn, name string, ids []int64, vars map[string]string, onlyPending string) ([]opsMessage, error) {
+	vars = maps.Clone(vars)
+	if vars == nil {
+		vars = map[string]string{}
+	}
+	vars["ids"] = idList(ids)
+	var changed []opsMessage
+	err := inTx(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
+		var err error
+		if changed, err = runbookRows[opsMessage](ctx, tx, name, vars); err != nil {
+			return err
+		}
+		var missing []int64
+		for _, id := range ids {
+			if !slices.ContainsFunc(changed, func(m opsMessage) bool { return m.ID == id }) {
+				missing = append(missing, id)
+			}
+		}
+		if len(missing) == 0 {
+			return nil
+		}
+		return explainMissing(ctx, tx, missing, onlyPending)
+	})
+	return sortByID(changed), err
+}
+
+// sortByID orders what a statement's RETURNING gave, which comes in no
+// particular order.
+func sortByID(ms []opsMessage) []opsMessage {
+	slices.SortFunc(ms, func(a, b opsMessage) int { return cmp.Compare(a.ID, b.ID) })
+	return ms
+}
+
+// idStatesQuery finds what became of ids a runbook statement did not touch,
+// to say why. It is not an operator task of its own, so it is not in the
+// runbook.
+const idStatesQuery = `SELECT id, state FROM deferred_message WHERE id = ANY ($1::bigint[])`
+
+func explainMissing(ctx context.Context, q queryer, missing []int64, onlyPending string) error {
+	rows, err := q.Query(ctx, idStatesQuery, missing)
+	if err != nil {
+		return fmt.Errorf("look up ids: %w", err)
+	}
+	states := map[int64]string{}
+	var id int64
+	var state string
+	if _, err := pgx.ForEachRow(rows, []any{&id, &state}, func() error {
+		states[id] = state
+		return nil
+	}); err != nil {
+		return fmt.Errorf("look up ids: %w", err)
+	}
+	var why []string
+	for _, id := range missing {
+		if s, ok := states[id]; ok {
+			why = append(why, fmt.Sprintf("message %d is %s", id, s))
+		} else {
+			why = append(why, fmt.Sprintf("no message with id %d", id))
+		}
+	}
+	msg := strings.Join(why, ", ")
+	if len(states) > 0 && onlyPending != "" {
+		msg += ": " + onlyPending
+	}
+	return fmt.Errorf("%s; nothing changed", msg)
+}

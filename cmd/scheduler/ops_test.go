@@ -1,0 +1,494 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+// The JSON the operator commands print, decoded independently of the types
+// that produce it: these are the contract scripts rely on.
+type (
+	jsonMessage struct {
+		ID          int64     `json:"id"`
+		BusinessKey *string   `json:"business_key"`
+		Seq         int64     `json:"seq"`
+		TargetTopic *string   `json:"target_topic"`
+		State       string    `json:"state"`
+		NextRunAt   time.Time `json:"next_run_at"`
+		Attempt     int       `json:"attempt"`
+		Reason      *string   `json:"reason"`
+	}
+	jsonChange struct {
+		Expedited *int          `json:"expedited"`
+		Cancelled *int          `json:"cancelled"`
+		Parked    *int          `json:"parked"`
+		Note      string        `json:"note"`
+		Messages  []jsonMessage `json:"messages"`
+	}
+	jsonStatus struct {
+		Backlog []struct {
+			TargetTopic *string `json:"target_topic"`
+			State       string  `json:"state"`
+			Messages    int     `json:"messages"`
+			Due         int     `json:"due"`
+		} `json:"backlog"`
+		DueHeads        int     `json:"due_heads"`
+		LatenessSeconds float64 `json:"lateness_seconds"`
+		OldestDue       *struct {
+			ID          int64  `json:"id"`
+			BusinessKey string `json:"business_key"`
+			TargetTopic string `json:"target_topic"`
+		} `json:"oldest_due"`
+		HeldKeys         int `json:"held_keys"`
+		BackingOffKeys   int `json:"backing_off_keys"`
+		RejectedLastHour int `json:"rejected_last_hour"`
+		RejectedReasons  []struct {
+			Reason   string `json:"reason"`
+			Messages int    `json:"messages"`
+		} `json:"rejected_reasons"`
+	}
+	jsonStory struct {
+		Message struct {
+			jsonMessage
+			ErrorClass     *string `json:"error_class"`
+			IsHead         bool    `json:"is_head"`
+			PendingAhead   *int    `json:"pending_ahead"`
+			KeyEncoding    *string `json:"key_encoding"`
+			Key            *string `json:"key"`
+			ValueBytes     *int    `json:"value_bytes"`
+			ValueEncoding  *string `json:"value_encoding"`
+			Value          *string `json:"value"`
+			ValueTruncated bool    `json:"value_truncated"`
+		} `json:"message"`
+		Headers []struct {
+			Position int    `json:"position"`
+			Key      string `json:"key"`
+			Encoding string `json:"encoding"`
+			Value    string `json:"value"`
+		} `json:"headers"`
+		Lineage []struct {
+			Relation string `json:"relation"`
+			jsonMessage
+		} `json:"lineage"`
+	}
+)
+
+// decode parses out as T, failing the test if it is not JSON.
+func decode[T any](t *testing.T, out string) T {
+	t.Helper()
+	var v T
+	if err := json.Unmarshal([]byte(out), &v); err != nil {
+		t.Fatalf("output is not the JSON expected: %v\n%s", err, out)
+	}
+	return v
+}
+
+func ids(ms []jsonMessage) []int64 {
+	var out []int64
+	for _, m := range ms {
+		out = append(out, m.ID)
+	}
+	return out
+}
+
+func sameIDs(t *testing.T, what string, got []int64, want ...int64) {
+	t.Helper()
+	if len(got) != len(want) {
+		t.Errorf("%s: ids %v, want %v", what, got, want)
+		return
+	}
+	for i := range got {
+		if got[i] != want[i] {
+			t.Errorf("%s: ids %v, want %v", what, got, want)
+			return
+		}
+	}
+}
+
+// TestOpsCommands runs every operator command in process against a seeded
+// database (see seedOps), with human and JSON output, and the bad input each
+// must refuse with one line and a non-zero exit.
+func TestOpsCommands(t *testing.T) {
+	down := "DATABASE_URL=postgres://postgres@" + freeAddr(t) + "/scheduler?sslmode=disable"
+	tests := []struct {
+		name string
+		args []string
+		// env replaces the environment; nil means DATABASE_URL of a fresh
+		// seeded database.
+		env            []string
+		code           int
+		stdout, stderr []string // substrings
+		notStdout      []string
+		// json, when set, checks the parsed stdout.
+		json func(t *testing.T, out string)
+		// check is a query returning true when the command had its effect
+		// (or, for a refusal, none).
+		check string
+	}{
+		// status
+		{
+			name: "status", args: []string{"status"},
+			stdout: []string{
+				"Backlog by target and state:\n", "  TARGET          STATE     MESSAGES  DUE  FIRST RUN AT",
+				"  -               rejected  2         0    -", "  orders.retry    pending   5         2    ",
+				"  payments.retry  parked    2         0    -",
+				"Lateness: 2m", "message 101 (key order-1, target orders.retry)", "; 2 key heads due\n",
+				"Held keys: 2, 1 backing off after failed publishes",
+				"Rejected in the last hour: 2 (invalid_delay 1, missing_target 1)\n",
+			},
+		},
+		{
+			name: "status --json", args: []string{"status", "--json"},
+			json: func(t *testing.T, out string) {
+				s := decode[jsonStatus](t, out)
+				if len(s.Backlog) != 5 || s.DueHeads != 2 || s.LatenessSeconds < 119 || s.OldestDue == nil ||
+					s.OldestDue.ID != 101 || s.OldestDue.BusinessKey != "order-1" || s.HeldKeys != 2 || s.BackingOffKeys != 1 ||
+					s.RejectedLastHour != 2 || len(s.RejectedReasons) != 2 {
+					t.Errorf("status: %+v", s)
+				}
+			},
+		},
+		{name: "status with an argument", args: []string{"status", "now"}, code: 2, stderr: []string{`unexpected argument "now"`}},
+
+		// ls
+		{
+			name: "ls", args: []string{"ls", "--target", "payments.retry"},
+			stdout: []string{
+				"ID   KEY      SEQ  TARGET          STATE    DUE ", "ATTEMPT  REASON\n",
+				"\n104  order-3  4    payments.retry  parked   ", "  1        unknown_topic: no such topic\n",
+				"\n105  order-4  5 ", "\n103  order-2  3    payments.retry  pending  ",
+			},
+			notStdout: []string{"orders.retry"},
+		},
+		{
+			name: "ls --json", args: []string{"ls", "--state", "parked", "--json"},
+			json: func(t *testing.T, out string) {
+				ms := decode[[]jsonMessage](t, out)
+				sameIDs(t, "ls", ids(ms), 104, 105)
+				if ms[0].State != "parked" || *ms[0].TargetTopic != "payments.retry" || *ms[0].Reason != "unknown_topic: no such topic" || ms[0].Attempt != 1 {
+					t.Errorf("ls: %+v", ms[0])
+				}
+			},
+		},
+		{
+			name: "ls by reason, case-insensitive", args: []string{"ls", "--state", "rejected", "--reason", "MISSING", "--json"},
+			json: func(t *testing.T, out string) {
+				sameIDs(t, "ls", ids(decode[[]jsonMessage](t, out)), 106, 108)
+			},
+		},
+		{
+			name: "ls --limit", args: []string{"ls", "--key", "order-1", "--limit", "1"},
+			stdout: []string{"\n101  order-1  1 ", "(the first 1; --limit shows more)\n"},
+		},
+		{name: "ls no match", args: []string{"ls", "--key", "nope"}, stdout: []string{"no messages match\n"}},
+		{
+			name: "ls no match --json", args: []string{"ls", "--key", "nope", "--json"},
+			json: func(t *testing.T, out string) {
+				if strings.TrimSpace(out) != "[]" {
+					t.Errorf("want [], got %s", out)
+				}
+			},
+		},
+		{name: "ls bad state", args: []string{"ls", "--state", "bogus"}, code: 2,
+			stderr: []string{`--state "bogus" is not a state: want one of pending, parked, rejected`}},
+		{name: "ls bad state --json", args: []string{"ls", "--json", "--state", "bogus"}, code: 2,
+			stderr: []string{`{"error":"--state \"bogus\" is not a state: want one of pending, parked, rejected`}},
+		{name: "ls bad limit", args: []string{"ls", "--limit", "0"}, code: 2, stderr: []string{"--limit 0 is out of range"}},
+		{name: "ls limit not a number", args: []string{"ls", "--limit", "ten"}, code: 2, stderr: []string{`invalid value "ten" for flag -limit`}},
+		{name: "ls unknown flag", args: []string{"ls", "--bogus"}, code: 2, stderr: []string{"flag provided but not defined: -bogus", "scheduler ls --help"}},
+		{name: "ls unknown flag --json", args: []string{"ls", "--bogus", "--json"}, code: 2, stderr: []string{`{"error":"flag provided but not defined: -bogus`}},
+
+		// show
+		{
+			name: "show", args: []string{"show", "101"},
+			stdout: []string{
+				"Message 101: pending, head of its key\n", "  business key  order-1\n", "  target topic  orders.retry\n",
+				"  attempt       2\n", "  error         ProviderTimeout: upstream 504\n",
+				"Key (text): order-1\n", "Headers:\n", "  #  KEY           ENCODING  VALUE\n",
+				"  1  defer.target  text      orders.retry\n", "  3  bin           hex       \\x00ff\n",
+				"  4  note          text      café\n", "  5  evil          text      \\x1b[2J\n",
+				"Value (text, 11 bytes):\n{\"order\":1}\n", "Lineage:\n", "  re-deferral  102  order-1  2 ",
+			},
+			notStdout: []string{"\x1b"},
+		},
+		{
+			name: "show behind its head, value cut", args: []string{"show", "102"},
+			stdout: []string{
+				"Message 102: pending, behind 1 pending message of its key\n", "  origin id     101\n",
+				"Value (text, 300 bytes, first 256 bytes; --full for all):\n" + strings.Repeat("é", 128) + "\n",
+				"Headers: none\n", "  origin    101  order-1  1 ",
+			},
+		},
+		{
+			name: "show --full", args: []string{"show", "--full", "102"},
+			stdout: []string{"Value (text, 300 bytes):\n" + strings.Repeat("é", 150) + "\n"},
+		},
+		{
+			name: "show --json", args: []string{"show", "102", "--json"},
+			json: func(t *testing.T, out string) {
+				s := decode[jsonStory](t, out)
+				m := s.Message
+				if m.ID != 102 || m.IsHead || *m.PendingAhead != 1 || *m.ValueBytes != 300 || !m.ValueTruncated ||
+					*m.Value != strings.Repeat("é", 128) || len(s.Headers) != 0 || len(s.Lineage) != 1 ||
+					s.Lineage[0].Relation != "origin" || s.Lineage[0].ID != 101 {
+					t.Errorf("show: %+v", s)
+				}
+			},
+		},
+		{
+			name: "show binary --json", args: []string{"show", "--json", "103"},
+			json: func(t *testing.T, out string) {
+				m := decode[jsonStory](t, out).Message
+				if *m.KeyEncoding != "hex" || *m.Key != `\xff00` || *m.ValueEncoding != "hex" || *m.Value != `\xdeadbeef` || !m.IsHead {
+					t.Errorf("show: %+v", m)
+				}
+			},
+		},
+		{
+			name: "show headers --json", args: []string{"show", "--json", "101"},
+			json: func(t *testing.T, out string) {
+				s := decode[jsonStory](t, out)
+				if len(s.Headers) != 5 || s.Headers[2].Key != "bin" || s.Headers[2].Encoding != "hex" || s.Headers[2].Value != `\x00ff` ||
+					s.Headers[4].Value != "\x1b[2J" || *s.Message.ErrorClass != "ProviderTimeout" {
+					t.Errorf("show: %+v", s)
+				}
+			},
+		},
+		{
+			name: "show rejected", args: []string{"show", "106"},
+			stdout: []string{"Message 106: rejected\n", "  reason        missing_target: no defer.target header\n", "Key: none\n", "Value: none (null)\n", "Lineage: none\n"},
+		},
+		{name: "show unknown id", args: []string{"show", "999"}, code: 1, stderr: []string{"scheduler show: no message with id 999\n"}},
+		{name: "show unknown id --json", args: []string{"show", "999", "--json"}, code: 1, stderr: []string{`{"error":"no message with id 999"}`}},
+		{name: "show malformed id", args: []string{"show", "abc"}, code: 2, stderr: []string{`"abc" is not a message id`}},
+		{name: "show no id", args: []string{"show"}, code: 2, stderr: []string{"want one message id, got 0 arguments"}},
+		{name: "show two ids", args: []string{"show", "101", "102"}, code: 2, stderr: []string{"want one message id, got 2 arguments"}},
+		{name: "show a list", args: []string{"show", "101,102"}, code: 2, stderr: []string{`want one message id, got "101,102"`}},
+
+		// expedite
+		{
+			name: "expedite --key", args: []string{"expedite", "--key", "order-1"},
+			stdout: []string{"\n102  order-1  2    orders.retry  pending  ", "expedited 1 message\n"},
+			check:  `SELECT next_run_at <= now() FROM deferred_message WHERE id = 102`,
+		},
+		{
+			name: "expedite --target --json", args: []string{"expedite", "--target", "orders.retry", "--json"},
+			json: func(t *testing.T, out string) {
+				c := decode[jsonChange](t, out)
+				if c.Expedited == nil || *c.Expedited != 3 {
+					t.Errorf("expedite: %+v", c)
+				}
+				sameIDs(t, "expedite", ids(c.Messages), 102, 110, 111)
+			},
+			check: `SELECT count(*) = 0 FROM deferred_message WHERE target_topic = 'orders.retry' AND state = 'pending' AND next_run_at > now()`,
+		},
+		{
+			name: "expedite --id", args: []string{"expedite", "--id", "103,110", "--json"},
+			json: func(t *testing.T, out string) {
+				sameIDs(t, "expedite", ids(decode[jsonChange](t, out).Messages), 103, 110)
+			},
+			check: `SELECT bool_and(next_run_at <= now()) FROM deferred_message WHERE id IN (103, 110)`,
+		},
+		{
+			name: "expedite a key already due", args: []string{"expedite", "--key", "held-1"},
+			stdout: []string{`nothing to expedite: the pending messages with business key "held-1" are all due already`},
+		},
+		{name: "expedite an unknown key", args: []string{"expedite", "--key", "nope"}, code: 1,
+			stderr: []string{`scheduler expedite: no pending message with business key "nope"`}},
+		{name: "expedite an unknown target --json", args: []string{"expedite", "--target", "nope", "--json"}, code: 1,
+			stderr: []string{`{"error":"no pending message with target topic \"nope\""}`}},
+		{
+			name: "expedite an unknown and a parked id", args: []string{"expedite", "--id", "103,104,999"}, code: 1,
+			stderr: []string{"message 104 is parked, no message with id 999: only pending messages can be expedited", "nothing changed"},
+			check:  `SELECT next_run_at > now() FROM deferred_message WHERE id = 103`,
+		},
+		{name: "expedite nothing", args: []string{"expedite"}, code: 2, stderr: []string{"give exactly one of --id, --key and --target (got 0)"}},
+		{name: "expedite two ways", args: []string{"expedite", "--key", "a", "--target", "b"}, code: 2, stderr: []string{"(got 2)"}},
+		{name: "expedite an empty key", args: []string{"expedite", "--key", ""}, code: 2, stderr: []string{"--key is empty"}},
+		{name: "expedite a malformed id", args: []string{"expedite", "--id", "12a"}, code: 2, stderr: []string{`"12a" is not a message id`}},
+		{name: "expedite an argument", args: []string{"expedite", "--key", "a", "b"}, code: 2, stderr: []string{`unexpected argument "b"`}},
+
+		// cancel
+		{
+			name: "cancel", args: []string{"cancel", "104", "106"},
+			stdout: []string{"\n104  order-3  4    payments.retry  parked ", "\n106  -        6    -   ", "cancelled 2 messages\n"},
+			check:  `SELECT NOT EXISTS (SELECT 1 FROM deferred_message WHERE id IN (104, 106))`,
+		},
+		{
+			name: "cancel --json, flags among ids", args: []string{"cancel", "101", "--json", "109"},
+			json: func(t *testing.T, out string) {
+				c := decode[jsonChange](t, out)
+				if c.Cancelled == nil || *c.Cancelled != 2 {
+					t.Errorf("cancel: %+v", c)
+				}
+				sameIDs(t, "cancel", ids(c.Messages), 101, 109)
+			},
+			check: `SELECT (SELECT head_id = 102 FROM deferred_key WHERE business_key = 'order-1')
+			           AND NOT EXISTS (SELECT 1 FROM deferred_key WHERE business_key = 'held-1')`,
+		},
+		{
+			name: "cancel an unknown id", args: []string{"cancel", "104", "999"}, code: 1,
+			stderr: []string{"scheduler cancel: no message with id 999; nothing changed\n"},
+			check:  `SELECT EXISTS (SELECT 1 FROM deferred_message WHERE id = 104)`,
+		},
+		{
+			name: "cancel an unknown id --json", args: []string{"cancel", "--json", "998,999"}, code: 1,
+			stderr: []string{`{"error":"no message with id 998, no message with id 999; nothing changed"}`},
+		},
+		{name: "cancel nothing", args: []string{"cancel"}, code: 2, stderr: []string{"want at least one message id"}},
+		{name: "cancel a malformed id", args: []string{"cancel", "104", "x1"}, code: 2, stderr: []string{`"x1" is not a message id`},
+			check: `SELECT EXISTS (SELECT 1 FROM deferred_message WHERE id = 104)`},
+		{name: "cancel an id after --", args: []string{"cancel", "--", "-5"}, code: 2, stderr: []string{`"-5" is not a message id`}},
+
+		// park
+		{
+			name: "park", args: []string{"park", "101", "--reason", "bad address, OPS-7"},
+			stdout: []string{"\n101  order-1  1    orders.retry  parked ", "parked by operator: bad address, OPS-7\n", "parked 1 message\n"},
+			check: `SELECT (SELECT state = 'parked' AND reason = 'parked by operator: bad address, OPS-7' FROM deferred_message WHERE id = 101)
+			           AND (SELECT head_id = 102 FROM deferred_key WHERE business_key = 'order-1')`,
+		},
+		{
+			name: "park --json", args: []string{"park", "--json", "--reason", "x", "103,110"},
+			json: func(t *testing.T, out string) {
+				c := decode[jsonChange](t, out)
+				if c.Parked == nil || *c.Parked != 2 || c.Messages[0].State != "parked" || *c.Messages[0].Reason != "parked by operator: x" {
+					t.Errorf("park: %+v", c)
+				}
+			},
+			check: `SELECT count(*) = 4 FROM deferred_message WHERE state = 'parked'`,
+		},
+		{
+			name: "park a parked and a rejected id", args: []string{"park", "101", "104", "106", "--reason", "x"}, code: 1,
+			stderr: []string{"message 104 is parked, message 106 is rejected: only pending messages can be parked; nothing changed"},
+			check:  `SELECT state = 'pending' FROM deferred_message WHERE id = 101`,
+		},
+		{name: "park without a reason", args: []string{"park", "101"}, code: 2, stderr: []string{"--reason is required"},
+			check: `SELECT state = 'pending' FROM deferred_message WHERE id = 101`},
+		{name: "park without ids", args: []string{"park", "--reason", "x"}, code: 2, stderr: []string{"want at least one message id"}},
+
+		// help
+		{name: "status --help", args: []string{"status", "--help"}, stdout: []string{"Usage: scheduler status", "-json"}},
+		{name: "ls --help", args: []string{"ls", "--help"}, stdout: []string{"Usage: scheduler ls", "-target", "-state", "-key", "-reason", "-limit", "(default 50)", "-json"}},
+		{name: "show -h", args: []string{"show", "-h"}, stdout: []string{"Usage: scheduler show", "-full", "-json"}},
+		{name: "expedite --help", args: []string{"expedite", "--help"}, stdout: []string{"Usage: scheduler expedite", "-id", "-key", "-target"}},
+		{name: "cancel --help", args: []string{"cancel", "--help"}, stdout: []string{"Usage: scheduler cancel"}},
+		{name: "park --help", args: []string{"park", "--help"}, stdout: []string{"Usage: scheduler park", "-reason"}},
+
+		// configuration and a database that is down
+		{name: "no DATABASE_URL", args: []string{"status"}, env: []string{}, code: 2, stderr: []string{"DATABASE_URL is not set"}},
+		{name: "bad DATABASE_URL", args: []string{"ls"}, env: []string{"DATABASE_URL=postgres://a:b@host:notaport/db"}, code: 2,
+			stderr: []string{"DATABASE_URL is not a valid PostgreSQL URL"}},
+		{name: "bad configuration", args: []string{"ls", "--json"}, env: []string{"DATABASE_URL=postgres://h/db", "LOG_LEVEL=loud"}, code: 2,
+			stderr: []string{`{"error":"configuration: LOG_LEVEL=\"loud\" is not valid`}},
+		{name: "database down: status", args: []string{"status"}, env: []string{down}, code: 1, stderr: []string{"scheduler status: connect to the database at 127.0.0.1:"}},
+		{name: "database down: ls --json", args: []string{"ls", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database at 127.0.0.1:`}},
+		{name: "database down: show", args: []string{"show", "1"}, env: []string{down}, code: 1, stderr: []string{"connection refused"}},
+		{name: "database down: expedite", args: []string{"expedite", "--key", "k"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: cancel --json", args: []string{"cancel", "1", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database`}},
+		{name: "database down: park", args: []string{"park", "1", "--reason", "x"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			args := tt.args
+			env := tt.env
+			var db pgtest.DB
+			if env == nil {
+				db = pgtest.NewDB(t)
+				seedOps(t, db.Pool)
+				env = []string{"DATABASE_URL=" + db.URL}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			var stdout, stderr bytes.Buffer
+			start := time.Now()
+			code := run(ctx, args, env, &stdout, &stderr)
+			took := time.Since(start)
+			out, errOut := stdout.String(), stderr.String()
+			if code != tt.code {
+				t.Fatalf("exit code %d, want %d\nstdout:\n%s\nstderr:\n%s", code, tt.code, out, errOut)
+			}
+			if code == 0 && errOut != "" {
+				t.Errorf("stderr is not empty:\n%s", errOut)
+			}
+			if code != 0 {
+				if strings.Count(errOut, "\n") != 1 || !strings.HasSuffix(errOut, "\n") {
+					t.Errorf("error is not one line:\n%s", errOut)
+				}
+				if out != "" {
+					t.Errorf("stdout is not empty after an error:\n%s", out)
+				}
+				if jsonRequested(args) {
+					var e struct{ Error string }
+					if err := json.Unmarshal([]byte(errOut), &e); err != nil || e.Error == "" {
+						t.Errorf("error is not JSON {\"error\": ...}: %v\n%s", err, errOut)
+					}
+				}
+				if took > opsConnectTimeout+2*time.Second {
+					t.Errorf("failing took %v", took)
+				}
+			}
+			for _, w := range tt.stdout {
+				if !strings.Contains(out, w) {
+					t.Errorf("stdout lacks %q:\n%s", w, out)
+				}
+			}
+			for _, w := range tt.notStdout {
+				if strings.Contains(out, w) {
+					t.Errorf("stdout has %q:\n%s", w, out)
+				}
+			}
+			for _, w := range tt.stderr {
+				if !strings.Contains(errOut, w) {
+					t.Errorf("stderr lacks %q:\n%s", w, errOut)
+				}
+			}
+			if tt.json != nil {
+				tt.json(t, out)
+			}
+			if tt.check != "" {
+				var ok bool
+				if err := db.Pool.QueryRow(ctx, tt.check).Scan(&ok); err != nil {
+					t.Fatalf("check: %v", err)
+				}
+				if !ok {
+					t.Errorf("effect not as expected: %s", tt.check)
+				}
+			}
+		})
+	}
+}
+
+// TestOpsTablesAlign checks that ls prints an aligned table: every cell of a
+// column starts where its heading does.
+func TestOpsTablesAlign(t *testing.T) {
+	db := pgtest.NewDB(t)
+	seedOps(t, db.Pool)
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), []string{"ls", "--limit", "100"}, []string{"DATABASE_URL=" + db.URL}, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	lines := strings.Split(strings.TrimSuffix(stdout.String(), "\n"), "\n")
+	if len(lines) != 12 {
+		t.Fatalf("%d lines, want a heading and 11 messages:\n%s", len(lines), stdout.String())
+	}
+	var starts []int
+	for _, h := range messageColumns() {
+		starts = append(starts, strings.Index(lines[0], h))
+	}
+	for _, l := range lines[1:] {
+		r := []rune(l)
+		for i, s := range starts[1:] {
+			// Runes: a column start counts characters (é is one), and the
+			// cell before must end with spaces.
+			if s >= len(r) || r[s-1] != ' ' || r[s] == ' ' {
+				t.Errorf("column %s does not start at %d in %q", messageColumns()[i+1], s, l)
+			}
+		}
+	}
+}

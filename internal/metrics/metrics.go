@@ -1,0 +1,357 @@
+package metrics
+
+import (
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// OtherTarget is the target label of messages whose target topic is missing,
+// not a valid topic name or not allowed by TARGET_TOPICS. Such values come
+// from producers (rejected records) or operators, not from configuration, so
+// they are folded into one series to keep the label bounded. It cannot be a
+// Kafka topic name, so it never collides with a real target.
+const OtherTarget = "(other)"
+
+// States of deferred_message, always exported per target (0 when none), so
+// that a series does not vanish when its count drops to zero.
+var states = [...]string{"pending", "parked", "rejected"}
+
+// Ingest results, always exported.
+var ingestResults = [...]string{"stored", "duplicate", "rejected"}
+
+// Metrics holds the scheduler's Prometheus metrics. A nil *Metrics is valid
+// and records nothing, so components built without one (tests) need no
+// special case.
+type Metrics struct {
+	ingestRecords       *prometheus.CounterVec
+	ingestRejected      *prometheus.CounterVec
+	ingestBatchRecords  prometheus.Histogram
+	ingestBatchDuration prometheus.Histogram
+	ingestLag           *prometheus.GaugeVec
+
+	published     *prometheus.CounterVec
+	publishErrors *prometheus.CounterVec
+	parked        *prometheus.CounterVec
+	lateness      prometheus.Histogram
+	roundDuration prometheus.Histogram
+
+	messages    *prometheus.GaugeVec
+	messagesDue *prometheus.GaugeVec
+	oldestDue   prometheus.Gauge
+	heldKeys    prometheus.Gauge
+
+	riverJobs *prometheus.CounterVec
+	ready     prometheus.Gauge
+	pool      *poolCollector
+
+	// backlogMu guards backlogTargets, the targets the last SetBacklog
+	// exported, so the next one can delete those that are gone.
+	backlogMu      sync.Mutex
+	backlogTargets map[string]bool
+}
+
+// New creates the scheduler's metrics and registers them with reg.
+func New(reg prometheus.Registerer, version string) *Metrics {
+	durations := prometheus.ExponentialBucketsRange(0.001, 10, 14) // 1ms..10s, about x2
+	m := &Metrics{
+		ingestRecords: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: IngestRecords,
+			Help: "Records read from the defer topic, by result: stored (pending), rejected (stored as rejected), duplicate (stored before, skipped). They add up to the records read.",
+		}, []string{"result"}),
+		ingestRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: IngestRejected,
+			Help: "Records stored as rejected, by reason code (the part of deferred_message.reason before the first colon).",
+		}, []string{"reason"}),
+		ingestBatchRecords: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    IngestBatchRecords,
+			Help:    "Records per ingested batch (one partition, one insert).",
+			Buckets: prometheus.ExponentialBucketsRange(1, 10000, 9),
+		}),
+		ingestBatchDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    IngestBatchDuration,
+			Help:    "Time to parse and store one ingested batch, database retries included.",
+			Buckets: durations,
+		}),
+		ingestLag: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: IngestLag,
+			Help: "Records of the defer topic not yet stored, per partition this process consumes: high-water mark minus next offset, after each batch.",
+		}, []string{"partition"}),
+		published: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: DispatchPublished,
+			Help: "Messages republished and acknowledged by the broker, by target topic.",
+		}, []string{"target"}),
+		publishErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: DispatchPublishErrors,
+			Help: "Messages whose publish failed, by target topic and kind (retriable, or the permanent error's code such as unknown_topic).",
+		}, []string{"target", "kind"}),
+		parked: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: DispatchParked,
+			Help: "Messages moved to the parking lot by dispatch, by target topic and reason code.",
+		}, []string{"target", "reason"}),
+		lateness: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    DispatchLateness,
+			Help:    "Broker acknowledgement time minus due time (next_run_at) of each published message.",
+			Buckets: prometheus.ExponentialBucketsRange(0.001, 60, 17), // 1ms..60s, about x2
+		}),
+		roundDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    DispatchRoundDuration,
+			Help:    "Duration of dispatch rounds that claimed keys: claim, publish and finalize.",
+			Buckets: durations,
+		}),
+		messages: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: Messages,
+			Help: "Messages in deferred_message by target topic and state, from a periodic query (METRICS_INTERVAL).",
+		}, []string{"target", "state"}),
+		messagesDue: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: MessagesDue,
+			Help: "Pending messages whose due time has passed, not yet published, by target topic (periodic query).",
+		}, []string{"target"}),
+		oldestDue: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: OldestDue,
+			Help: "How long ago the earliest due key head became due; 0 when none is due (periodic query).",
+		}),
+		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: HeldKeys,
+			Help: "Business keys that cannot move: backing off after consecutive retriable publish failures (periodic query).",
+		}),
+		riverJobs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: RiverJobs,
+			Help: "River jobs this process finished working, by job kind and outcome (completed, failed, discarded, cancelled, snoozed, interrupted).",
+		}, []string{"kind", "outcome"}),
+		ready: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: Ready,
+			Help: "1 when the last readiness evaluation (/readyz or the periodic one) passed, else 0.",
+		}),
+		pool: newPoolCollector(),
+	}
+	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        BuildInfo,
+		Help:        "Always 1; the version label says which build runs.",
+		ConstLabels: prometheus.Labels{"version": version},
+	})
+	buildInfo.Set(1)
+	// Results are known in advance: export them at 0 so that rate() works
+	// from the first increment.
+	for _, r := range ingestResults {
+		m.ingestRecords.WithLabelValues(r)
+	}
+	reg.MustRegister(
+		m.ingestRecords, m.ingestRejected, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
+		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
+		m.messages, m.messagesDue, m.oldestDue, m.heldKeys,
+		m.riverJobs, m.ready, m.pool, buildInfo,
+	)
+	return m
+}
+
+// ReasonCode returns the code of a reason string of the form "code: detail"
+// (deferred_message.reason): the part before the first ": ". A string
+// without one is returned as is.
+func ReasonCode(reason string) string {
+	code, _, _ := strings.Cut(reason, ": ")
+	return code
+}
+
+// IngestBatch records one stored batch: how many records were stored as
+// pending, skipped as duplicates and stored as rejected, the rejected ones by
+// reason (codes or full reasons; they are reduced to codes), and how long the
+// batch took.
+func (m *Metrics) IngestBatch(stored, duplicates, rejected int, rejectedByReason map[string]int, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.ingestRecords.WithLabelValues("stored").Add(float64(stored))
+	m.ingestRecords.WithLabelValues("duplicate").Add(float64(duplicates))
+	m.ingestRecords.WithLabelValues("rejected").Add(float64(rejected))
+	for reason, n := range rejectedByReason {
+		if n > 0 {
+			m.ingestRejected.WithLabelValues(ReasonCode(reason)).Add(float64(n))
+		}
+	}
+	m.ingestBatchRecords.Observe(float64(stored + duplicates + rejected))
+	m.ingestBatchDuration.Observe(d.Seconds())
+}
+
+// SetLag sets the ingest lag of a partition of the defer topic. A negative
+// lag (the high-water mark read before the batch's records) counts as 0.
+func (m *Metrics) SetLag(partition int32, lag int64) {
+	if m == nil {
+		return
+	}
+	m.ingestLag.WithLabelValues(strconv.Itoa(int(partition))).Set(float64(max(lag, 0)))
+}
+
+// DeleteLag forgets the lag of a partition this process no longer consumes,
+// so that after a rebalance only its new owner reports it.
+func (m *Metrics) DeleteLag(partition int32) {
+	if m == nil {
+		return
+	}
+	m.ingestLag.DeleteLabelValues(strconv.Itoa(int(partition)))
+}
+
+// Published counts n messages acknowledged by the broker for target.
+func (m *Metrics) Published(target string, n int) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.published.WithLabelValues(target).Add(float64(n))
+}
+
+// PublishError counts one message whose publish to target failed with an
+// error of the given kind.
+func (m *Metrics) PublishError(target, kind string) {
+	if m == nil {
+		return
+	}
+	m.publishErrors.WithLabelValues(target, kind).Inc()
+}
+
+// Parked counts one message parked by dispatch; reason may be the full
+// reason string, only its code is kept.
+func (m *Metrics) Parked(target, reason string) {
+	if m == nil {
+		return
+	}
+	m.parked.WithLabelValues(target, ReasonCode(reason)).Inc()
+}
+
+// ObserveLateness records how late one message was published.
+func (m *Metrics) ObserveLateness(d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.lateness.Observe(max(d, 0).Seconds())
+}
+
+// Round records the duration of a dispatch round that claimed keys.
+func (m *Metrics) Round(d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.roundDuration.Observe(d.Seconds())
+}
+
+// RiverJob counts one River job outcome.
+func (m *Metrics) RiverJob(kind, outcome string) {
+	if m == nil {
+		return
+	}
+	m.riverJobs.WithLabelValues(kind, outcome).Inc()
+}
+
+// SetReady records the result of a readiness evaluation.
+func (m *Metrics) SetReady(ready bool) {
+	if m == nil {
+		return
+	}
+	if ready {
+		m.ready.Set(1)
+	} else {
+		m.ready.Set(0)
+	}
+}
+
+// Backlog is what the periodic backlog query found. Targets are labels
+// already (see OtherTarget).
+type Backlog struct {
+	// Messages counts messages by target and state.
+	Messages map[string]map[string]int64
+	// Due counts pending messages past their due time, by target.
+	Due map[string]int64
+	// OldestDue is how long ago the earliest due head became due.
+	OldestDue time.Duration
+	// HeldKeys counts keys backing off after retriable failures.
+	HeldKeys int64
+}
+
+// SetBacklog sets the backlog gauges. Every target present gets a series for
+// each state and for due messages (0 when none); series of targets absent
+// from b are deleted, so a target that has no message left disappears.
+func (m *Metrics) SetBacklog(b Backlog) {
+	if m == nil {
+		return
+	}
+	m.backlogMu.Lock()
+	defer m.backlogMu.Unlock()
+	now := map[string]bool{}
+	for t := range b.Messages {
+		now[t] = true
+	}
+	for t := range b.Due {
+		now[t] = true
+	}
+	for t := range now {
+		for _, s := range states {
+			m.messages.WithLabelValues(t, s).Set(float64(b.Messages[t][s]))
+		}
+		m.messagesDue.WithLabelValues(t).Set(float64(b.Due[t]))
+	}
+	for t := range m.backlogTargets {
+		if !now[t] {
+			m.messages.DeletePartialMatch(prometheus.Labels{"target": t})
+			m.messagesDue.DeleteLabelValues(t)
+		}
+	}
+	m.backlogTargets = now
+	m.oldestDue.Set(max(b.OldestDue, 0).Seconds())
+	m.heldKeys.Set(float64(b.HeldKeys))
+}
+
+// WatchPool makes the pool metrics report pool's statistics. Until it is
+// called they report nothing.
+func (m *Metrics) WatchPool(pool *pgxpool.Pool) {
+	if m == nil {
+		return
+	}
+	m.pool.pool.Store(pool)
+}
+
+// poolCollector samples pgxpool.Pool.Stat at scrape time: Stat only reads
+// counters the pool keeps anyway, so sampling is cheaper than tracking.
+type poolCollector struct {
+	pool  atomic.Pointer[pgxpool.Pool]
+	conns *prometheus.Desc
+	wait  *prometheus.Desc
+}
+
+func newPoolCollector() *poolCollector {
+	return &poolCollector{
+		conns: prometheus.NewDesc(DBPoolConnections,
+			"Postgres pool connections by state: acquired (in use), idle, total (open or opening) and max (DB_MAX_CONNS).",
+			[]string{"state"}, nil),
+		wait: prometheus.NewDesc(DBPoolAcquireWait,
+			"Total time spent waiting for a connection because the pool had none free; its rate is how starved the pool is.",
+			nil, nil),
+	}
+}
+
+// Describe implements prometheus.Collector.
+func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.conns
+	ch <- c.wait
+}
+
+// Collect implements prometheus.Collector.
+func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
+	pool := c.pool.Load()
+	if pool == nil {
+		return
+	}
+	s := pool.Stat()
+	for _, v := range []struct {
+		state string
+		n     int32
+	}{
+		{"acquired", s.AcquiredConns()}, {"idle", s.IdleConns()}, {"total", s.TotalConns()}, {"max", s.MaxConns()},
+	} {
+		ch <- prometheus.MustNewConstMetric(c.conns, prometheus.GaugeValue, float64(v.n), v.state)
+	}
+	ch <- prometheus.MustNewConstMetric(c.wait, prometheus.CounterValue, s.EmptyAcquireWaitTime().Seconds())
+}

@@ -1,0 +1,38 @@
+// Package metrics defines the scheduler's Prometheus metrics: one prefix,
+// labels bounded to target topics, partitions, reasons and kinds (never
+// business keys or message ids).
+package metrics
+
+// Metric names. Dashboards and alert rules (deploy/) may only use these, the
+// Go and process collectors' (go_*, process_*) and promhttp's
+// (promhttp_*); a test checks that.
+const (
+	IngestRecords         = "scheduler_ingest_records_total"          // counter {result: stored|duplicate|rejected}
+	IngestRejected        = "scheduler_ingest_rejected_total"         // counter {reason: rejection code}
+	IngestBatchRecords    = "scheduler_ingest_batch_records"          // histogram
+	IngestBatchDuration   = "scheduler_ingest_batch_duration_seconds" // histogram
+	IngestLag             = "scheduler_ingest_lag_records"            // gauge {partition}: high-water mark minus next offset
+	DispatchPublished     = "scheduler_dispatch_published_total"      // counter {target}
+	DispatchPublishErrors = "scheduler_dispatch_publish_errors_total" // counter {target, kind}
+	DispatchParked        = "scheduler_dispatch_parked_total"         // counter {target, reason: code}
+	DispatchLateness      = "scheduler_dispatch_lateness_seconds"     // histogram: broker ack time minus due time
+	DispatchRoundDuration = "scheduler_dispatch_round_duration_seconds"
+	Messages              = "scheduler_messages"            // gauge {target, state}
+	MessagesDue           = "scheduler_messages_due"        // gauge {target}: pending and due, not yet sent
+	OldestDue             = "scheduler_oldest_due_seconds"  // gauge: how late the earliest due head is now
+	HeldKeys              = "scheduler_held_keys"           // gauge: keys that cannot move (backing off after failures)
+	DBPoolConnections     = "scheduler_db_pool_connections" // gauge {state: acquired|idle|total|max}
+	DBPoolAcquireWait     = "scheduler_db_pool_acquire_wait_seconds_total"
+	RiverJobs             = "scheduler_river_jobs_total" // counter {kind, outcome}
+	Ready                 = "scheduler_ready"            // gauge: 1 when /readyz passes
+	BuildInfo             = "scheduler_build_info"       // gauge {version} = 1
+)
+
+// Names returns every metric name the scheduler exports.
+func Names() []string {
+	return []string{
+		IngestRecords, IngestRejected, IngestBatchRecords, IngestBatchDuration, IngestLag,
+		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration,
+		Messages, MessagesDue, OldestDue, HeldKeys, DBPoolConnections, DBPoolAcquireWait, RiverJobs, Ready, BuildInfo,
+	}
+}

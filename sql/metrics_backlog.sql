@@ -1,0 +1,26 @@
+-- The backlog gauges (internal/metrics), read by each process every
+-- METRICS_INTERVAL, never per scrape. No parameters. Returns one row per
+-- target topic and state: the target (NULL for rejected records that named
+-- none), the state, its message count and how many of those are pending and
+-- past their due time; and, repeated on every row, how many seconds ago the
+-- earliest due key head became due (0 if none is due) and how many keys are
+-- held (backing off after retriable publish failures). With no message at
+-- all it returns one row whose target and state are NULL and counts 0.
+--
+-- The oldest due head counts leased heads too: a key backing off from a
+-- broker that is down is leased to no one but blocked, and it is exactly the
+-- lateness to see. min() over deferred_key_due reads one index entry. The
+-- counts read all of deferred_message, which is why this runs on an interval.
+WITH counts AS (
+    SELECT target_topic, state, count(*) AS messages,
+           count(*) FILTER (WHERE state = 'pending' AND next_run_at <= now()) AS due
+    FROM deferred_message
+    GROUP BY target_topic, state
+), keys AS (
+    SELECT coalesce((SELECT extract(epoch FROM now() - min(next_run_at))
+                     FROM deferred_key WHERE next_run_at <= now()), 0)::float8 AS oldest_due,
+           (SELECT count(*) FROM deferred_key WHERE failures > 0 AND leased_until > now()) AS held_keys
+)
+SELECT c.target_topic, c.state, coalesce(c.messages, 0), coalesce(c.due, 0), k.oldest_due, k.held_keys
+FROM keys k
+LEFT JOIN counts c ON true
