@@ -77,6 +77,9 @@ CREATE TABLE deferred_key (
     head_id      bigint NOT NULL,
     head_seq     bigint NOT NULL,
     next_run_at  timestamptz NOT NULL,
+    -- The head's target topic, so that claims can skip paused targets
+    -- (target_control) without reading messages.
+    head_target  text,
     -- The lease a dispatcher holds while it publishes this key. Not indexed, so
     -- taking and releasing it are HOT updates.
     leased_until timestamptz,
@@ -126,10 +129,10 @@ DECLARE
     earliest timestamptz;
 BEGIN
     WITH heads AS (
-        INSERT INTO deferred_key AS k (business_key, head_id, head_seq, next_run_at)
-        SELECT business_key, id, seq, next_run_at
+        INSERT INTO deferred_key AS k (business_key, head_id, head_seq, next_run_at, head_target)
+        SELECT business_key, id, seq, next_run_at, target_topic
         FROM (
-            SELECT n.business_key, n.id, n.seq, n.next_run_at,
+            SELECT n.business_key, n.id, n.seq, n.next_run_at, n.target_topic,
                    row_number() OVER (PARTITION BY n.business_key ORDER BY n.seq, n.id) AS rank
             FROM new_rows n
             WHERE n.state = 'pending'
@@ -137,7 +140,8 @@ BEGIN
         WHERE business_key IS NULL OR rank = 1
         ORDER BY business_key, seq, id
         ON CONFLICT (business_key) DO UPDATE
-            SET head_id = excluded.head_id, head_seq = excluded.head_seq, next_run_at = excluded.next_run_at
+            SET head_id = excluded.head_id, head_seq = excluded.head_seq, next_run_at = excluded.next_run_at,
+                head_target = excluded.head_target
             WHERE (excluded.head_seq, excluded.head_id) < (k.head_seq, k.head_id)
         RETURNING k.next_run_at, k.leased_until
     )
@@ -173,10 +177,10 @@ BEGIN
         ON CONFLICT (business_key) DO UPDATE SET head_id = d.head_id WHERE false;
 
         WITH heads AS (
-            SELECT k.business_key, m.id, m.seq, m.next_run_at
+            SELECT k.business_key, m.id, m.seq, m.next_run_at, m.target_topic
             FROM unnest(keys) AS k (business_key)
             LEFT JOIN LATERAL (
-                SELECT id, seq, next_run_at FROM deferred_message m
+                SELECT id, seq, next_run_at, target_topic FROM deferred_message m
                 WHERE m.business_key = k.business_key AND m.state = 'pending'
                 ORDER BY m.seq, m.id
                 LIMIT 1
@@ -186,10 +190,11 @@ BEGIN
             WHERE d.business_key = h.business_key AND h.id IS NULL
         ), moved AS (
             UPDATE deferred_key d
-            SET head_id = h.id, head_seq = h.seq, next_run_at = h.next_run_at
+            SET head_id = h.id, head_seq = h.seq, next_run_at = h.next_run_at, head_target = h.target_topic
             FROM heads h
             WHERE d.business_key = h.business_key AND h.id IS NOT NULL
-              AND (d.head_id, d.head_seq, d.next_run_at) IS DISTINCT FROM (h.id, h.seq, h.next_run_at)
+              AND (d.head_id, d.head_seq, d.next_run_at, d.head_target)
+                  IS DISTINCT FROM (h.id, h.seq, h.next_run_at, h.target_topic)
             RETURNING d.next_run_at, d.leased_until
         )
         SELECT min(next_run_at) INTO earliest FROM moved
@@ -208,14 +213,14 @@ BEGIN
 
         WITH moved AS (
             UPDATE deferred_key d
-            SET head_seq = m.seq, next_run_at = m.next_run_at
+            SET head_seq = m.seq, next_run_at = m.next_run_at, head_target = m.target_topic
             FROM deferred_message m
             WHERE d.business_key IS NULL AND d.head_id = ANY (unordered_ids) AND m.id = d.head_id
-              AND (d.head_seq, d.next_run_at) IS DISTINCT FROM (m.seq, m.next_run_at)
+              AND (d.head_seq, d.next_run_at, d.head_target) IS DISTINCT FROM (m.seq, m.next_run_at, m.target_topic)
             RETURNING d.next_run_at, d.leased_until
         ), added AS (
-            INSERT INTO deferred_key (business_key, head_id, head_seq, next_run_at)
-            SELECT NULL, m.id, m.seq, m.next_run_at
+            INSERT INTO deferred_key (business_key, head_id, head_seq, next_run_at, head_target)
+            SELECT NULL, m.id, m.seq, m.next_run_at, m.target_topic
             FROM deferred_message m
             WHERE m.id = ANY (unordered_ids) AND m.state = 'pending' AND m.business_key IS NULL
               AND NOT EXISTS (SELECT 1 FROM deferred_key d WHERE d.business_key IS NULL AND d.head_id = m.id)
@@ -244,13 +249,13 @@ BEGIN
     FROM (
         SELECT o.business_key AS k, CASE WHEN o.business_key IS NULL THEN o.id END AS u
         FROM old_rows o JOIN new_rows n ON n.id = o.id
-        WHERE (o.business_key, o.seq, o.next_run_at, o.state)
-              IS DISTINCT FROM (n.business_key, n.seq, n.next_run_at, n.state)
+        WHERE (o.business_key, o.seq, o.next_run_at, o.state, o.target_topic)
+              IS DISTINCT FROM (n.business_key, n.seq, n.next_run_at, n.state, n.target_topic)
         UNION ALL
         SELECT n.business_key, CASE WHEN n.business_key IS NULL THEN n.id END
         FROM old_rows o JOIN new_rows n ON n.id = o.id
-        WHERE (o.business_key, o.seq, o.next_run_at, o.state)
-              IS DISTINCT FROM (n.business_key, n.seq, n.next_run_at, n.state)
+        WHERE (o.business_key, o.seq, o.next_run_at, o.state, o.target_topic)
+              IS DISTINCT FROM (n.business_key, n.seq, n.next_run_at, n.state, n.target_topic)
         UNION ALL
         -- An UPDATE that changes id is delete-plus-insert as far as heads go.
         SELECT o.business_key, CASE WHEN o.business_key IS NULL THEN o.id END
@@ -341,3 +346,26 @@ CREATE TABLE ingest_offset (
     updated_at  timestamptz NOT NULL DEFAULT now(),
     PRIMARY KEY (topic, partition)
 );
+
+-- Per-target controls an operator sets with plain SQL (sql/runbook/
+-- pause_target.sql, resume_target.sql). A paused target's messages stay
+-- pending, in order, while other targets flow: claims skip heads whose target
+-- is paused. Dispatchers see a change at their next poll; resuming also
+-- notifies them.
+CREATE TABLE target_control (
+    target_topic text PRIMARY KEY,
+    paused       boolean NOT NULL DEFAULT false,
+    note         text,
+    updated_at   timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE FUNCTION target_control_notify() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify('deferred_key_due', '');
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER target_control_changed AFTER INSERT OR UPDATE OR DELETE ON target_control
+    FOR EACH STATEMENT EXECUTE FUNCTION target_control_notify();

@@ -12,6 +12,7 @@ WITH due AS MATERIALIZED (
     FROM deferred_key
     WHERE next_run_at <= now()
       AND (leased_until IS NULL OR leased_until <= now())
+      AND NOT EXISTS (SELECT 1 FROM target_control c WHERE c.target_topic = head_target AND c.paused)
     ORDER BY next_run_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED

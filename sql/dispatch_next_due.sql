@@ -5,6 +5,7 @@
 -- skipping only leased heads.
 SELECT greatest(extract(epoch FROM next_run_at - clock_timestamp()), 0)::float8
 FROM deferred_key
-WHERE leased_until IS NULL OR leased_until <= now()
+WHERE (leased_until IS NULL OR leased_until <= now())
+  AND NOT EXISTS (SELECT 1 FROM target_control c WHERE c.target_topic = head_target AND c.paused)
 ORDER BY next_run_at
 LIMIT 1

@@ -72,6 +72,7 @@ VALUES
 		// deferred_key is the triggers' to keep; a test may play dispatcher.
 		`UPDATE deferred_key SET failures = 3, leased_until = now() + interval '1 hour' WHERE business_key = 'held-1'`,
 		`UPDATE deferred_key SET leased_until = now() + interval '1 minute', leased_by = 'test-loop' WHERE business_key = 'leased-1'`,
+		`INSERT INTO target_control (target_topic, paused, note) VALUES ('audit.retry', true, 'seeded pause')`,
 	} {
 		if _, err := pool.Exec(ctx, q); err != nil {
 			t.Fatalf("seed: %v\n%s", err, q)
@@ -221,6 +222,16 @@ func TestRunbook(t *testing.T) {
 			check: `SELECT (SELECT count(*) = 2 FROM deferred_message
 			                WHERE id IN (104, 105) AND state = 'pending' AND reason IS NULL AND next_run_at <= now())
 			           AND (SELECT count(*) = 2 FROM deferred_key WHERE business_key IN ('order-3', 'order-4') AND next_run_at <= now())`,
+		},
+		{
+			name: "pause a target", file: "pause_target.sql", vars: map[string]string{"target": "orders.retry", "note": "INC-42"}, lines: 1,
+			want:  []string{"orders.retry|t|INC-42|"},
+			check: `SELECT paused AND note = 'INC-42' FROM target_control WHERE target_topic = 'orders.retry'`,
+		},
+		{
+			name: "resume a paused target", file: "resume_target.sql", vars: map[string]string{"target": "audit.retry"}, lines: 1,
+			want:  []string{"audit.retry|f|seeded pause|"},
+			check: `SELECT NOT paused FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
 			name: "rejected in the last hour", file: "rejected_recent.sql", vars: map[string]string{"window": "1 hour"}, lines: 2,

@@ -59,23 +59,23 @@ func newLockerBackoff(t testing.TB, pool *pgxpool.Pool, owner string, lease time
 // exactly, duplicates included.
 const headsDiffSQL = `
 WITH expected AS (
-    (SELECT DISTINCT ON (business_key) business_key, id AS head_id, seq AS head_seq, next_run_at
+    (SELECT DISTINCT ON (business_key) business_key, id AS head_id, seq AS head_seq, next_run_at, target_topic AS head_target
      FROM deferred_message
      WHERE state = 'pending' AND business_key IS NOT NULL
      ORDER BY business_key, seq, id)
     UNION ALL
-    SELECT business_key, id, seq, next_run_at
+    SELECT business_key, id, seq, next_run_at, target_topic
     FROM deferred_message
     WHERE state = 'pending' AND business_key IS NULL
 ), actual AS (
-    SELECT business_key, head_id, head_seq, next_run_at FROM deferred_key
+    SELECT business_key, head_id, head_seq, next_run_at, head_target FROM deferred_key
 ), diff AS (
     SELECT 'missing from deferred_key' AS kind, * FROM (SELECT * FROM expected EXCEPT ALL SELECT * FROM actual) e
     UNION ALL
     SELECT 'unexpected in deferred_key', * FROM (SELECT * FROM actual EXCEPT ALL SELECT * FROM expected) a
 )
-SELECT format('%s: key=%s head_id=%s head_seq=%s next_run_at=%s', kind,
-              coalesce(quote_literal(business_key), 'NULL'), head_id, head_seq, next_run_at)
+SELECT format('%s: key=%s head_id=%s head_seq=%s next_run_at=%s head_target=%s', kind,
+              coalesce(quote_literal(business_key), 'NULL'), head_id, head_seq, next_run_at, head_target)
 FROM diff
 ORDER BY business_key, head_id, kind`
 

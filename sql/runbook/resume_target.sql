@@ -1,0 +1,13 @@
+-- resume_target.sql: republish to a paused target topic again.
+--
+-- What: clears the pause of :'target' in target_control. Its due messages go
+-- out in per-key order at once (dispatchers are notified); the rest when due.
+-- When: the reason for pause_target.sql is over. See what will go out first:
+--   psql "$DATABASE_URL" -v target=payments.retry -v state=pending -v key= \
+--        -v reason= -v limit=100 -f sql/runbook/list.sql
+-- Call:
+--   psql "$DATABASE_URL" -v target=payments.retry -f sql/runbook/resume_target.sql
+UPDATE target_control
+SET paused = false, updated_at = now()
+WHERE target_topic = :'target'
+RETURNING target_topic, paused, note, updated_at;
