@@ -3,8 +3,7 @@
 // unit tests (`promtool test rules`), the dashboard is a well-formed Grafana
 // dashboard whose queries parse, and every metric the two name is one the
 // scheduler exports (internal/metrics), one of the Go, process and promhttp
-// collectors', `up`, or the one postgres_exporter metric the
-// long-transaction rule needs.
+// collectors', or `up`.
 //
 // promtool comes with the Debian package prometheus (.ci/run installs it).
 package deploy_test
@@ -33,12 +32,6 @@ const (
 	readmeFile     = "README.md"
 	repoRoot       = ".."
 )
-
-// postgresExporterMetric is the only metric of another exporter the rules and
-// the dashboard may name: prometheus-community/postgres_exporter's age of the
-// oldest open transaction, per database and connection state. The scheduler
-// does not export transaction or xmin ages itself.
-const postgresExporterMetric = "pg_stat_activity_max_tx_duration"
 
 // promtool returns the path of promtool, or fails the test saying how to get it.
 func promtool(t *testing.T) string {
@@ -562,7 +555,7 @@ func TestMetricNamesExist(t *testing.T) {
 			used[n] = true
 			if !known.allowed(n) {
 				t.Errorf("%s: metric %s is not in internal/metrics.Names() "+
-					"(nor go_*, process_*, promhttp_*, up or %s): %q", q.where, n, postgresExporterMetric, q.expr)
+					"(nor go_*, process_*, promhttp_* or up): %q", q.where, n, q.expr)
 			}
 		}
 	}
@@ -589,8 +582,7 @@ func knownMetrics() metricSet {
 
 // allowed reports whether a dashboard or rule may name metric n: one of the
 // scheduler's, a histogram's _bucket, _sum or _count series (a counter,
-// named _total, has none), a Go, process or promhttp collector's, up, or the
-// postgres_exporter metric.
+// named _total, has none), a Go, process or promhttp collector's, or up.
 func (s metricSet) allowed(n string) bool {
 	if s[n] {
 		return true
@@ -605,7 +597,7 @@ func (s metricSet) allowed(n string) bool {
 			return true
 		}
 	}
-	return n == "up" || n == postgresExporterMetric
+	return n == "up"
 }
 
 // --- A small PromQL metric-name extractor ---------------------------------------
@@ -839,7 +831,7 @@ func TestMetricNameExtractor(t *testing.T) {
 	for _, n := range []string{
 		metrics.Messages, metrics.DispatchLateness + "_bucket", metrics.IngestBatchDuration + "_count",
 		"go_goroutines", "process_resident_memory_bytes", "promhttp_metric_handler_requests_total",
-		"up", postgresExporterMetric,
+		"up",
 	} {
 		if !known.allowed(n) {
 			t.Errorf("allowed(%q) = false; want true", n)

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"slices"
@@ -8,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
@@ -308,6 +310,31 @@ func TestMetricsFollowAScriptedRun(t *testing.T) {
 			t.Errorf("%s is exported but not in metrics.Names()", name)
 		}
 	}
+
+	// A forgotten transaction holding a snapshot shows its age; once it ends,
+	// the gauge falls back.
+	conn, err := db.Pool.Acquire(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := conn.BeginTx(context.Background(), pgx.TxOptions{IsoLevel: pgx.RepeatableRead})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(context.Background(), "SELECT count(*) FROM deferred_message"); err != nil {
+		t.Fatal(err)
+	}
+	waitMetrics(t, p, 10*time.Second, "the open transaction's age", func(s metricsSnapshot) bool {
+		v, _ := s.value(metrics.DBOldestTransaction)
+		return v >= 1
+	})
+	tx.Rollback(context.Background())
+	conn.Release()
+	waitMetrics(t, p, 10*time.Second, "the oldest transaction gauge to fall back", func(s metricsSnapshot) bool {
+		v, ok := s.value(metrics.DBOldestTransaction)
+		return ok && v < 1
+	})
+
 	if t.Failed() {
 		t.Log(dumpMetrics(s))
 	}

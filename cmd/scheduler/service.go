@@ -356,12 +356,14 @@ func (s *service) backlog(ctx context.Context) (metrics.Backlog, error) {
 			target, state   *string
 			n, due, held    int64
 			oldestDueSecond float64
+			oldestXactSec   float64
 		)
-		if err := rows.Scan(&target, &state, &n, &due, &oldestDueSecond, &held); err != nil {
+		if err := rows.Scan(&target, &state, &n, &due, &oldestDueSecond, &held, &oldestXactSec); err != nil {
 			return b, fmt.Errorf("read backlog: %w", err)
 		}
 		b.OldestDue = time.Duration(oldestDueSecond * float64(time.Second))
 		b.HeldKeys = held
+		b.OldestTransaction = time.Duration(oldestXactSec * float64(time.Second))
 		if state == nil {
 			continue // no message at all
 		}

@@ -45,6 +45,7 @@ type Metrics struct {
 	messagesDue *prometheus.GaugeVec
 	oldestDue   prometheus.Gauge
 	heldKeys    prometheus.Gauge
+	oldestTx    prometheus.Gauge
 
 	riverJobs *prometheus.CounterVec
 	ready     prometheus.Gauge
@@ -116,6 +117,10 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Name: OldestDue,
 			Help: "How long ago the earliest due key head became due; 0 when none is due (periodic query).",
 		}),
+		oldestTx: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: DBOldestTransaction,
+			Help: "Age of the oldest open transaction in the database that holds a snapshot (so holds back vacuum of the queue tables); 0 if none (periodic query).",
+		}),
 		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: HeldKeys,
 			Help: "Business keys that cannot move: backing off after consecutive retriable publish failures (periodic query).",
@@ -144,7 +149,7 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	reg.MustRegister(
 		m.ingestRecords, m.ingestRejected, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
-		m.messages, m.messagesDue, m.oldestDue, m.heldKeys,
+		m.messages, m.messagesDue, m.oldestDue, m.heldKeys, m.oldestTx,
 		m.riverJobs, m.ready, m.pool, buildInfo,
 	)
 	return m
@@ -269,6 +274,9 @@ type Backlog struct {
 	OldestDue time.Duration
 	// HeldKeys counts keys backing off after retriable failures.
 	HeldKeys int64
+	// OldestTransaction is the age of the oldest open transaction in the
+	// database that holds back vacuum.
+	OldestTransaction time.Duration
 }
 
 // SetBacklog sets the backlog gauges. Every target present gets a series for
@@ -302,6 +310,7 @@ func (m *Metrics) SetBacklog(b Backlog) {
 	m.backlogTargets = now
 	m.oldestDue.Set(max(b.OldestDue, 0).Seconds())
 	m.heldKeys.Set(float64(b.HeldKeys))
+	m.oldestTx.Set(max(b.OldestTransaction, 0).Seconds())
 }
 
 // WatchPool makes the pool metrics report pool's statistics. Until it is

@@ -23,9 +23,10 @@ const (
 	HeldKeys              = "scheduler_held_keys"           // gauge: keys that cannot move (backing off after failures)
 	DBPoolConnections     = "scheduler_db_pool_connections" // gauge {state: acquired|idle|total|max}
 	DBPoolAcquireWait     = "scheduler_db_pool_acquire_wait_seconds_total"
-	RiverJobs             = "scheduler_river_jobs_total" // counter {kind, outcome}
-	Ready                 = "scheduler_ready"            // gauge: 1 when /readyz passes
-	BuildInfo             = "scheduler_build_info"       // gauge {version} = 1
+	DBOldestTransaction   = "scheduler_db_oldest_transaction_seconds" // gauge: oldest open transaction holding back vacuum
+	RiverJobs             = "scheduler_river_jobs_total"              // counter {kind, outcome}
+	Ready                 = "scheduler_ready"                         // gauge: 1 when /readyz passes
+	BuildInfo             = "scheduler_build_info"                    // gauge {version} = 1
 )
 
 // Names returns every metric name the scheduler exports.
@@ -33,6 +34,7 @@ func Names() []string {
 	return []string{
 		IngestRecords, IngestRejected, IngestBatchRecords, IngestBatchDuration, IngestLag,
 		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration,
-		Messages, MessagesDue, OldestDue, HeldKeys, DBPoolConnections, DBPoolAcquireWait, RiverJobs, Ready, BuildInfo,
+		Messages, MessagesDue, OldestDue, HeldKeys, DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
+		RiverJobs, Ready, BuildInfo,
 	}
 }
