@@ -23,10 +23,15 @@ WITH counts AS (
     GROUP BY target_topic, state
 ), keys AS (
     SELECT coalesce((SELECT extract(epoch FROM now() - min(next_run_at))
-                     FROM deferred_key WHERE next_run_at <= now()), 0)::float8 AS oldest_due,
+                     FROM deferred_key
+                     WHERE next_run_at <= now()
+                       -- An operator's pause is not lateness to alert on.
+                       AND NOT EXISTS (SELECT 1 FROM target_control c WHERE c.target_topic = head_target AND c.paused)),
+                    0)::float8 AS oldest_due,
            (SELECT count(*) FROM deferred_key WHERE failures > 0 AND leased_until > now()) AS held_keys,
            coalesce((SELECT extract(epoch FROM max(now() - xact_start)) FROM pg_stat_activity
-                     WHERE datname = current_database() AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
+                     WHERE datname = current_database() AND backend_type = 'client backend'
+                       AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
                        AND pid <> pg_backend_pid()), 0)::float8 AS oldest_xact
 )
 SELECT c.target_topic, c.state, coalesce(c.messages, 0), coalesce(c.due, 0), k.oldest_due, k.held_keys, k.oldest_xact

@@ -244,7 +244,7 @@ func TestMetricsFollowAScriptedRun(t *testing.T) {
 		if !s.is(1, metrics.DispatchPublishErrors, "target", missingTopic, "kind", "unknown_topic") {
 			t.Errorf("%s{target=%s,kind=unknown_topic} != 1", metrics.DispatchPublishErrors, missingTopic)
 		}
-		if !s.is(1, metrics.DispatchParked, "target", missingTopic, "reason", "publish_failed") {
+		if !s.is(1, metrics.DispatchParked, "target", missingTopic, "reason", "unknown_topic") {
 			t.Errorf("%s{target=%s,reason=publish_failed} != 1", metrics.DispatchParked, missingTopic)
 		}
 		if _, ok := s.value(metrics.DispatchPublished, "target", flakyTopic); ok {

@@ -155,19 +155,22 @@ func (o *ops) printJSON(v any) error {
 // connect opens one connection to DATABASE_URL, failing within
 // opsConnectTimeout when the database does not answer.
 func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) {
-	cfg, err := loadConfig(environ)
-	if err != nil {
-		return nil, usageError{fmt.Errorf("configuration: %w", err)}
-	}
-	if cfg.DatabaseURL == "" {
+	// Only DATABASE_URL: an operator command must not fail over a Kafka
+	// setting it never uses.
+	dbURL := lookup(environ, "DATABASE_URL")
+	if dbURL == "" {
 		return nil, usagef("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db")
 	}
-	cc, err := pgx.ParseConfig(cfg.DatabaseURL)
+	cc, err := pgx.ParseConfig(dbURL)
 	if err != nil {
 		return nil, usageError{fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)}
 	}
 	cc.ConnectTimeout = opsConnectTimeout
 	cc.RuntimeParams["application_name"] = "defer-scheduler-" + o.name
+	// A row locked by someone else (a dispatcher finalizing, an open psql
+	// session) must give a clear error, not a hang.
+	cc.RuntimeParams["lock_timeout"] = "5s"
+	cc.RuntimeParams["statement_timeout"] = "30s"
 	cctx, cancel := context.WithTimeout(ctx, opsConnectTimeout)
 	defer cancel()
 	conn, err := pgx.ConnectConfig(cctx, cc)

@@ -369,7 +369,7 @@ func (s *service) backlog(ctx context.Context) (metrics.Backlog, error) {
 		}
 		label := metrics.OtherTarget
 		if target != nil && deferral.ValidTopic(*target) && s.cfg.targets.Allows(*target) {
-			label = *target
+			label = s.metrics.Target(*target)
 		}
 		if b.Messages[label] == nil {
 			b.Messages[label] = map[string]int64{}

@@ -167,7 +167,7 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 			return nil
 		}
 		next := batch[len(batch)-1].Offset + 1
-		err := in.flush(ctx, sess, claim.Topic(), claim.Partition(), batch)
+		err := in.flush(ctx, sess, claim, batch)
 		batch = batch[:0]
 		if err == nil {
 			in.cfg.Metrics.SetLag(claim.Partition(), claim.HighWaterMarkOffset()-next)
@@ -224,7 +224,8 @@ func finalContext(ctx context.Context) (context.Context, context.CancelFunc) {
 // or ctx ends, then marks the batch's offsets. Offsets of a batch that was not
 // stored are never marked, so its records are read again by whoever owns the
 // partition next.
-func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession, topic string, partition int32, msgs []*sarama.ConsumerMessage) error {
+func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, msgs []*sarama.ConsumerMessage) error {
+	topic, partition := claim.Topic(), claim.Partition()
 	start := in.now()
 	entries := make([]Entry, len(msgs))
 	for i, m := range msgs {
@@ -260,6 +261,9 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 		}
 		in.logger.Warn("store batch failed; retrying, offsets not committed", "error", err,
 			"topic", topic, "partition", partition, "attempt", attempt)
+		// The lag must keep growing while ingest is stuck: that is what the
+		// lag alert is for.
+		in.cfg.Metrics.SetLag(partition, claim.HighWaterMarkOffset()-msgs[0].Offset)
 		backoff.Sleep(ctx, backoff.Exp(attempt, 100*time.Millisecond, 5*time.Second))
 	}
 	if in.afterStore != nil {

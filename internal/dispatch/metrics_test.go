@@ -66,7 +66,7 @@ func TestRoundRecordsMetrics(t *testing.T) {
 		want   float64
 	}{
 		{metrics.DispatchPublished, map[string]string{"target": topicA}, 2},
-		{metrics.DispatchParked, map[string]string{"target": "orders.nosuch", "reason": "publish_failed"}, 1},
+		{metrics.DispatchParked, map[string]string{"target": "orders.nosuch", "reason": "unknown_topic"}, 1},
 		{metrics.DispatchParked, map[string]string{"target": metrics.OtherTarget, "reason": "target_not_allowed"}, 1},
 		{metrics.DispatchPublishErrors, map[string]string{"target": "orders.nosuch", "kind": "unknown_topic"}, 1},
 		{metrics.DispatchPublishErrors, map[string]string{"target": topicB, "kind": "retriable"}, 1},

@@ -18,12 +18,19 @@ import (
 // Kafka topic name, so it never collides with a real target.
 const OtherTarget = "(other)"
 
-// States of deferred_message, always exported per target (0 when none), so
-// that a series does not vanish when its count drops to zero.
-var states = [...]string{"pending", "parked", "rejected"}
+// MaxTargets bounds the target label: the first MaxTargets distinct targets
+// a process sees get series of their own, any further one counts as
+// OtherTarget. TARGET_TOPICS globs can allow topics without end (a producer
+// bug sending orders.<uuid>), and each would otherwise leave counter series
+// behind for good.
+const MaxTargets = 200
 
-// Ingest results, always exported.
-var ingestResults = [...]string{"stored", "duplicate", "rejected"}
+// states returns the states of deferred_message, always exported per target
+// (0 when none), so that a series does not vanish when its count drops to 0.
+func states() [3]string { return [3]string{"pending", "parked", "rejected"} }
+
+// ingestResults returns the ingest results, always exported.
+func ingestResults() [3]string { return [3]string{"stored", "duplicate", "rejected"} }
 
 // Metrics holds the scheduler's Prometheus metrics. A nil *Metrics is valid
 // and records nothing, so components built without one (tests) need no
@@ -51,6 +58,10 @@ type Metrics struct {
 	ready     prometheus.Gauge
 	pool      *poolCollector
 
+	// targetsMu guards targets, the target labels handed out (see Target).
+	targetsMu sync.Mutex
+	targets   map[string]struct{}
+
 	// backlogMu guards backlogTargets, the targets the last SetBacklog
 	// exported, so the next one can delete those that are gone.
 	backlogMu      sync.Mutex
@@ -61,6 +72,7 @@ type Metrics struct {
 func New(reg prometheus.Registerer, version string) *Metrics {
 	durations := prometheus.ExponentialBucketsRange(0.001, 10, 14) // 1ms..10s, about x2
 	m := &Metrics{
+		targets: map[string]struct{}{},
 		ingestRecords: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: IngestRecords,
 			Help: "Records read from the defer topic, by result: stored (pending), rejected (stored as rejected), duplicate (stored before, skipped). They add up to the records read.",
@@ -143,7 +155,7 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	buildInfo.Set(1)
 	// Results are known in advance: export them at 0 so that rate() works
 	// from the first increment.
-	for _, r := range ingestResults {
+	for _, r := range ingestResults() {
 		m.ingestRecords.WithLabelValues(r)
 	}
 	reg.MustRegister(
@@ -158,9 +170,34 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 // ReasonCode returns the code of a reason string of the form "code: detail"
 // (deferred_message.reason): the part before the first ": ". A string
 // without one is returned as is.
+// Publish failures ("publish_failed: unknown_topic: ...") give their second
+// part, which says what failed.
 func ReasonCode(reason string) string {
-	code, _, _ := strings.Cut(reason, ": ")
+	code, rest, _ := strings.Cut(reason, ": ")
+	if code == "publish_failed" {
+		if sub, _, ok := strings.Cut(rest, ": "); ok {
+			return sub
+		}
+	}
 	return code
+}
+
+// Target returns the label for target: itself while fewer than MaxTargets
+// distinct targets have been seen, OtherTarget after that.
+func (m *Metrics) Target(target string) string {
+	if m == nil || target == OtherTarget {
+		return target
+	}
+	m.targetsMu.Lock()
+	defer m.targetsMu.Unlock()
+	if _, ok := m.targets[target]; ok {
+		return target
+	}
+	if len(m.targets) >= MaxTargets {
+		return OtherTarget
+	}
+	m.targets[target] = struct{}{}
+	return target
 }
 
 // IngestBatch records one stored batch: how many records were stored as
@@ -206,7 +243,7 @@ func (m *Metrics) Published(target string, n int) {
 	if m == nil || n <= 0 {
 		return
 	}
-	m.published.WithLabelValues(target).Add(float64(n))
+	m.published.WithLabelValues(m.Target(target)).Add(float64(n))
 }
 
 // PublishError counts one message whose publish to target failed with an
@@ -215,7 +252,7 @@ func (m *Metrics) PublishError(target, kind string) {
 	if m == nil {
 		return
 	}
-	m.publishErrors.WithLabelValues(target, kind).Inc()
+	m.publishErrors.WithLabelValues(m.Target(target), kind).Inc()
 }
 
 // Parked counts one message parked by dispatch; reason may be the full
@@ -224,7 +261,7 @@ func (m *Metrics) Parked(target, reason string) {
 	if m == nil {
 		return
 	}
-	m.parked.WithLabelValues(target, ReasonCode(reason)).Inc()
+	m.parked.WithLabelValues(m.Target(target), ReasonCode(reason)).Inc()
 }
 
 // ObserveLateness records how late one message was published.
@@ -296,7 +333,7 @@ func (m *Metrics) SetBacklog(b Backlog) {
 		now[t] = true
 	}
 	for t := range now {
-		for _, s := range states {
+		for _, s := range states() {
 			m.messages.WithLabelValues(t, s).Set(float64(b.Messages[t][s]))
 		}
 		m.messagesDue.WithLabelValues(t).Set(float64(b.Due[t]))

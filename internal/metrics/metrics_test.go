@@ -2,6 +2,7 @@ package metrics
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -100,7 +101,7 @@ func TestNewExportsEveryName(t *testing.T) {
 		{IngestRecords, []string{"result", "rejected"}, 1},
 		{IngestRejected, []string{"reason", "missing_target"}, 1},
 		{IngestLag, []string{"partition", "0"}, 5},
-		{DispatchParked, []string{"target", "orders.retry", "reason", "publish_failed"}, 1},
+		{DispatchParked, []string{"target", "orders.retry", "reason", "unknown_topic"}, 1},
 		{DBPoolConnections, []string{"state", "max"}, 7},
 		{DBPoolConnections, []string{"state", "total"}, 0},
 		{DBPoolAcquireWait, nil, 0},
@@ -143,7 +144,9 @@ func TestNilMetricsIsANoOp(t *testing.T) {
 func TestReasonCode(t *testing.T) {
 	for _, c := range []struct{ reason, code string }{
 		{"missing_target: no defer.target header", "missing_target"},
-		{"publish_failed: unknown_topic: kafka server: ...", "publish_failed"},
+		{"publish_failed: unknown_topic: kafka server: ...", "unknown_topic"},
+		{"publish_failed", "publish_failed"},
+		{"publish_failed: odd", "publish_failed"},
 		{"target_not_allowed", "target_not_allowed"},
 		{"", ""},
 		{"invalid_at: value \"a: b\"", "invalid_at"},
@@ -207,7 +210,7 @@ func TestSetBacklog(t *testing.T) {
 			}
 		}
 		for _, target := range step.absent {
-			for _, s := range states {
+			for _, s := range states() {
 				if _, ok := g.value(Messages, "target", target, "state", s); ok {
 					t.Errorf("%s: %s{target=%s,state=%s} still exported", step.name, Messages, target, s)
 				}
@@ -235,5 +238,26 @@ func TestLagIsNeverNegativeAndGoesWithTheClaim(t *testing.T) {
 	m.DeleteLag(3)
 	if _, ok := gather(t, reg).value(IngestLag, "partition", "3"); ok {
 		t.Error("lag of a released partition still exported")
+	}
+}
+
+// Target labels are bounded: past MaxTargets distinct targets, the rest
+// count as OtherTarget.
+func TestTargetLabelsBounded(t *testing.T) {
+	m := New(prometheus.NewRegistry(), "test")
+	for i := range MaxTargets {
+		if got := m.Target(fmt.Sprintf("orders.%d", i)); got != fmt.Sprintf("orders.%d", i) {
+			t.Fatalf("target %d labelled %q", i, got)
+		}
+	}
+	if got := m.Target("orders.one-too-many"); got != OtherTarget {
+		t.Fatalf("target past the bound labelled %q, want %q", got, OtherTarget)
+	}
+	if got := m.Target("orders.0"); got != "orders.0" {
+		t.Fatalf("a target seen before keeps its label, got %q", got)
+	}
+	var nilMetrics *Metrics
+	if got := nilMetrics.Target("x"); got != "x" {
+		t.Fatalf("nil Metrics: %q", got)
 	}
 }

@@ -22,6 +22,8 @@ LEFT JOIN LATERAL (
     SELECT head_id, business_key, next_run_at
     FROM deferred_key
     WHERE next_run_at <= now()
+      -- Paused targets wait on purpose (pause_target.sql); they are not late.
+      AND NOT EXISTS (SELECT 1 FROM target_control c WHERE c.target_topic = head_target AND c.paused)
     ORDER BY next_run_at, head_id
     LIMIT 1
 ) o ON true
