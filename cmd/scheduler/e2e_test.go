@@ -447,5 +447,22 @@ func TestReadyzReportsFailingCheck(t *testing.T) {
 	if code, body = p.get("/readyz"); code != 200 {
 		t.Fatalf("/readyz did not recover: %d %s", code, body)
 	}
+	// A migration missing (pending) is as bad as one too new.
+	var name string
+	if err := db.Pool.QueryRow(context.Background(),
+		"DELETE FROM scheduler_migration WHERE version = 1 RETURNING name").Scan(&name); err != nil {
+		t.Fatal(err)
+	}
+	code, body = p.get("/readyz")
+	failing, _ = readyzBody(t, body)["failing"].(map[string]any)
+	if code != 503 || !strings.Contains(fmt.Sprint(failing["migrations"]), "pending") {
+		t.Fatalf("/readyz = %d %s, want 503 naming pending migrations", code, body)
+	}
+	if _, err := db.Pool.Exec(context.Background(), "INSERT INTO scheduler_migration (version, name) VALUES (1, $1)", name); err != nil {
+		t.Fatal(err)
+	}
+	if code, body = p.get("/readyz"); code != 200 {
+		t.Fatalf("/readyz did not recover: %d %s", code, body)
+	}
 	p.stop()
 }

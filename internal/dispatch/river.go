@@ -189,10 +189,12 @@ func (rt *Runtime) Start(ctx context.Context) error {
 		rt.stopCountingJobOutcomes()
 		return fmt.Errorf("start river: %w", err)
 	}
-	if err := rt.reap(ctx); err != nil {
-		return err
-	}
-	if err := rt.EnsureLoops(ctx); err != nil {
+	if err := errors.Join(rt.reap(ctx), rt.EnsureLoops(ctx)); err != nil {
+		// Do not leave River working for a runtime the caller will not stop.
+		stopCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		err = errors.Join(err, rt.client.Stop(stopCtx))
+		rt.stopCountingJobOutcomes()
 		return err
 	}
 	lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
