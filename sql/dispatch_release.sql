@@ -4,15 +4,17 @@
 -- for a back-off that doubles with each consecutive failure, from $6 up to
 -- $7, which is how dispatch backs off from a broker that is down without
 -- holding a transaction or a worker. A key that published resets its count.
+--
+-- Deliberately one plain UPDATE with no self-join: a row updated by someone
+-- else meanwhile (an operator's statement moving an unordered head) is then
+-- re-checked on its new version and still released. A join on ctid would
+-- silently skip it, leaking the lease.
 UPDATE deferred_key
 SET leased_by = NULL,
-    failures = CASE WHEN retry THEN failures + 1 ELSE 0 END,
-    leased_until = CASE WHEN retry
+    failures = CASE WHEN business_key = ANY ($4::text[]) OR (business_key IS NULL AND head_id = ANY ($5::bigint[]))
+                    THEN failures + 1 ELSE 0 END,
+    leased_until = CASE WHEN business_key = ANY ($4::text[]) OR (business_key IS NULL AND head_id = ANY ($5::bigint[]))
                         THEN now() + least($7::interval, $6::interval * power(2, least(failures, 30)))
                    END
-FROM (SELECT business_key = ANY ($4::text[]) OR (business_key IS NULL AND head_id = ANY ($5::bigint[])) AS retry,
-             ctid AS row_id
-      FROM deferred_key
-      WHERE leased_by = $3::text
-        AND (business_key = ANY ($1::text[]) OR (business_key IS NULL AND head_id = ANY ($2::bigint[])))) r
-WHERE deferred_key.ctid = r.row_id
+WHERE leased_by = $3::text
+  AND (business_key = ANY ($1::text[]) OR (business_key IS NULL AND head_id = ANY ($2::bigint[])))
