@@ -6,7 +6,7 @@ PKGS     := ./...
 VERSION  ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS  := -X main.version=$(VERSION)
 
-.PHONY: demo test build run migrate fmt-check vet fuzz clean
+.PHONY: demo test build run migrate fmt-check vet fuzz bench chaos clean
 
 ## demo: run the whole pipeline on a throwaway Postgres and an in-process Kafka broker
 demo:
@@ -35,10 +35,26 @@ fmt-check:
 vet:
 	$(GO) vet $(PKGS)
 
-## fuzz: fuzz the protocol parser for FUZZTIME (default 1m)
+## fuzz: fuzz the protocol parser, record signing, the policy grammar, the error-class patterns and the configuration, FUZZTIME each (default 1m)
+# go test -fuzz keeps what it generates in its cache and writes a failing
+# input to the package's testdata/fuzz only on failure, where it then runs
+# as a regression case in every `make test`; a failure exits non-zero and so
+# stops make (and CI).
 FUZZTIME ?= 1m
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime $(FUZZTIME) ./internal/defer
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/defer
+	$(GO) test -run '^$$' -fuzz '^FuzzSign$$' -fuzztime $(FUZZTIME) ./internal/defer
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/policy
+	$(GO) test -run '^$$' -fuzz '^FuzzClassifier$$' -fuzztime $(FUZZTIME) ./internal/policy
+	$(GO) test -run '^$$' -fuzz '^FuzzConfig$$' -fuzztime $(FUZZTIME) ./cmd/scheduler
+
+## bench: measure the service against the DB ceiling, the broker and River (BENCH_QUICK=1: under 3 minutes; see docs/benchmarks.md)
+bench:
+	$(GO) run ./cmd/bench
+
+## chaos: three schedulers under SIGKILLs, a PostgreSQL restart and broker faults; checks no loss, per-key order, bounded duplicates (CHAOS_SHORT=1: the short run `make test` includes; see docs/chaos.md)
+chaos:
+	$(GO) run ./cmd/chaos
 
 clean:
 	rm -rf bin

@@ -98,6 +98,10 @@ func Apply(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result
 	if _, err := conn.Exec(ctx, "SELECT pg_advisory_lock($1)", lockKey); err != nil {
 		return Result{}, fmt.Errorf("take migration lock: %w", err)
 	}
+	// Closing the connection releases the lock too, but only once the server
+	// has processed the disconnect, after Apply returned: a caller checking
+	// pg_locks, or the next runner, could still find it held. Unlock first.
+	defer conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", lockKey)
 
 	var res Result
 	migrator, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: logger})
@@ -111,11 +115,20 @@ func Apply(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result
 	res.River = len(rr.Versions)
 
 	err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS scheduler_migration (
-			version    int PRIMARY KEY,
-			name       text NOT NULL,
-			applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
-			return fmt.Errorf("create scheduler_migration: %w", err)
+		// IF NOT EXISTS still needs CREATE on the schema, which the
+		// least-privilege service role (sql/roles) lacks: check first, so
+		// that `run --migrate` with nothing to do works under it.
+		var exists bool
+		if err := tx.QueryRow(ctx, `SELECT to_regclass('scheduler_migration') IS NOT NULL`).Scan(&exists); err != nil {
+			return fmt.Errorf("look for scheduler_migration: %w", err)
+		}
+		if !exists {
+			if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS scheduler_migration (
+				version    int PRIMARY KEY,
+				name       text NOT NULL,
+				applied_at timestamptz NOT NULL DEFAULT now())`); err != nil {
+				return fmt.Errorf("create scheduler_migration: %w", err)
+			}
 		}
 		applied, err := appliedVersions(ctx, tx)
 		if err != nil {

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"testing"
@@ -227,8 +228,8 @@ func TestApplyConcurrent(t *testing.T) {
 			WHERE tgrelid = 'deferred_message'::regclass AND NOT tgisinternal`).Scan(&triggers); err != nil {
 			t.Fatal(err)
 		}
-		if triggers != 5 {
-			t.Errorf("round %d: deferred_message has %d triggers, want 5 (insert, update, delete, truncate, touch)", round, triggers)
+		if triggers != 7 {
+			t.Errorf("round %d: deferred_message has %d triggers, want 7 (heads on insert, update, delete, truncate; touch; history on insert, update)", round, triggers)
 		}
 	}
 }
@@ -312,5 +313,69 @@ func TestApplySingleConnectionPool(t *testing.T) {
 	defer cancel()
 	if _, err := migrations.Apply(ctx, pool, discard); err != nil {
 		t.Errorf("Apply on a one-connection pool: %v", err)
+	}
+}
+
+// TestUpgradeKeepsParkedRowsReleasing: rows parked under 0001 released their
+// key; 0002 must not make them start holding it (later messages of the key
+// may already have been delivered past them), while rows parked after it
+// hold their key by default.
+func TestUpgradeKeepsParkedRowsReleasing(t *testing.T) {
+	all := mustAll(t)
+	if len(all) < 2 || all[0].Version != 1 || all[1].Version != 2 {
+		t.Fatalf("migrations = %v, want 1 and 2 first", versions(all))
+	}
+	pool := newPool(t, emptyDB(t))
+	ctx := t.Context()
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec(all[0].SQL)
+	exec(`INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, state, reason) VALUES
+		('a', 1, 't', now(), 'parked', 'old park'), ('a', 2, 't', now(), 'pending', NULL),
+		('b', 3, 't', now(), 'pending', NULL), ('b', 4, 't', now(), 'pending', NULL)`)
+	exec(all[1].SQL)
+
+	heads := func() map[string]string {
+		t.Helper()
+		rows, err := pool.Query(ctx, `SELECT k.business_key, format('seq=%s held=%s due=%s', k.head_seq, k.held, k.next_run_at <> 'infinity')
+			FROM deferred_key k ORDER BY 1`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]string{}
+		for rows.Next() {
+			var k, v string
+			if err := rows.Scan(&k, &v); err != nil {
+				t.Fatal(err)
+			}
+			got[k] = v
+		}
+		if err := rows.Err(); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	want := map[string]string{"a": "seq=2 held=f due=t", "b": "seq=3 held=f due=t"}
+	if got := heads(); !maps.Equal(got, want) {
+		t.Errorf("heads after upgrade = %v, want %v", got, want)
+	}
+	var holds bool
+	var parkedAt *time.Time
+	if err := pool.QueryRow(ctx, `SELECT park_holds_key, parked_at FROM deferred_message WHERE seq = 1`).Scan(&holds, &parkedAt); err != nil {
+		t.Fatal(err)
+	}
+	if holds || parkedAt == nil {
+		t.Errorf("row parked before the upgrade: park_holds_key = %v, parked_at = %v; want false and set", holds, parkedAt)
+	}
+
+	// Parked after the upgrade: holds its key by default.
+	exec(`UPDATE deferred_message SET state = 'parked', reason = 'new park' WHERE seq = 3`)
+	want["b"] = "seq=3 held=t due=f"
+	if got := heads(); !maps.Equal(got, want) {
+		t.Errorf("heads after parking b's head = %v, want %v", got, want)
 	}
 }

@@ -1,5 +1,8 @@
 -- Finalize, step 4: park messages the broker refused for good, with the reason.
--- Parking moves the key's head past them, so they stop holding their key.
+-- A parked message holds its key when its park_holds_key says so (the
+-- retry policy of its target, set at ingest): the triggers then make it the
+-- key's head, held, and the rest of the key waits for an operator. Otherwise
+-- the head moves past it and the rest of the key goes on.
 UPDATE deferred_message m
 SET state = 'parked', reason = p.reason
 FROM unnest($1::bigint[], $2::text[]) AS p (id, reason)

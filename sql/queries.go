@@ -16,6 +16,8 @@ var (
 	IngestOffsets string
 	//go:embed dispatch_claim.sql
 	DispatchClaim string
+	//go:embed dispatch_claim_target.sql
+	DispatchClaimTarget string
 	//go:embed dispatch_lock_messages.sql
 	DispatchLockMessages string
 	//go:embed dispatch_lock_keys.sql
@@ -30,6 +32,8 @@ var (
 	DispatchNextDue string
 	//go:embed lease_sweep.sql
 	LeaseSweep string
+	//go:embed dispatch_throttle_sweep.sql
+	DispatchThrottleSweep string
 	//go:embed dispatch_reap_loops.sql
 	DispatchReapLoops string
 	//go:embed instance_heartbeat.sql
@@ -40,4 +44,20 @@ var (
 	InstancePrune string
 	//go:embed metrics_backlog.sql
 	MetricsBacklog string
+	//go:embed target_limited.sql
+	TargetLimited string
+	//go:embed target_peek_tokens.sql
+	TargetPeekTokens string
+	//go:embed target_take_tokens.sql
+	TargetTakeTokens string
+	//go:embed target_return_tokens.sql
+	TargetReturnTokens string
+	//go:embed dlq_claim.sql
+	DLQClaim string
+	//go:embed dlq_mark_published.sql
+	DLQMarkPublished string
+	//go:embed dlq_back_off.sql
+	DLQBackOff string
+	//go:embed history_prune.sql
+	HistoryPrune string
 )

@@ -9,6 +9,7 @@ import (
 	"os"
 	"reflect"
 	"slices"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -19,6 +20,7 @@ import (
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/kafkaclient"
+	"github.com/deferq/scheduler/internal/policy"
 )
 
 // config is the service's configuration, read from the environment. The
@@ -33,6 +35,14 @@ type config struct {
 	TargetTopics  string        `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
 	HTTPAddr      string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz and /metrics"`
 	MaxDelay      time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
+
+	RetryPolicies      string        `env:"RETRY_POLICIES" form:"pattern: policy entries separated by ';', durations at most MAX_DELAY, e.g. payments.*: ladder 30s,5m,30m dlq {target}.dlq; *: exponential 1s x2 cap 1h max 10 (see docs/policies.md)" help:"retry policy per target topic: the delay of records without defer.at or defer.delay, how many retries, whether a parked message holds its key, dead-letter topic; unmatched targets get exponential 30s x2 cap 1h jitter 20% max 10"`
+	NonRetriableErrors string        `env:"NON_RETRIABLE_ERRORS" form:"comma-separated globs over defer.error.class (* any run, ? one character), e.g. *JsonParseException,com.acme.Validation*" help:"error classes parked at ingest without a retry, besides permanent"`
+	HistoryRetention   time.Duration `env:"HISTORY_RETENTION" envDefault:"720h" form:"Go duration >= 0, e.g. 720h; 0 keeps history forever" help:"how long the attempt history (deferred_attempt) is kept"`
+
+	SigningKeys     secret `env:"SIGNING_KEYS" form:"comma-separated source=KEY entries, source 1-128 of [A-Za-z0-9._-], KEY in hex, at least 64 digits (32 bytes), e.g. billing=<64 hex digits>" help:"HMAC-SHA256 keys of the sources (defer.source) whose records must be signed (docs/signing.md); never printed"`
+	SigningKeysFile string `env:"SIGNING_KEYS_FILE" form:"path to a readable file of source=KEY lines (KEY in hex, at least 64 digits; # comments, blank lines)" help:"file of signing keys, one source=KEY per line, besides SIGNING_KEYS (a source may be in one of them only)"`
+	SigningRequired bool   `env:"SIGNING_REQUIRED" envDefault:"false" form:"true or false" help:"also reject records without defer.source or from a source with no signing key"`
 
 	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records written per insert (per partition)"`
 	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill"`
@@ -50,6 +60,7 @@ type config struct {
 	KafkaVersion            string        `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`
 	KafkaClientID           string        `env:"KAFKA_CLIENT_ID" envDefault:"defer-scheduler" form:"string" help:"client.id sent to the brokers"`
 	KafkaTimeout            time.Duration `env:"KAFKA_TIMEOUT" envDefault:"5s" form:"Go duration, 100ms..1m" help:"bound on each Kafka network step (dial, write, read); publish retries derive from it"`
+	KafkaMaxMessageBytes    int           `env:"KAFKA_MAX_MESSAGE_BYTES" envDefault:"1048576" form:"integer, 1024..104857600" help:"largest record the scheduler republishes (and copies to a dead-letter topic); larger ones are parked with publish_failed: too_large. The brokers' and topics' max.message.bytes must allow it too"`
 	KafkaTLS                bool          `env:"KAFKA_TLS" envDefault:"false" form:"true or false" help:"connect to the brokers with TLS"`
 	KafkaTLSCAFile          string        `env:"KAFKA_TLS_CA_FILE" form:"path to a PEM file" help:"CA bundle for the brokers' certificates (default: system roots)"`
 	KafkaTLSCertFile        string        `env:"KAFKA_TLS_CERT_FILE" form:"path to a PEM file" help:"client certificate for mutual TLS"`
@@ -57,14 +68,17 @@ type config struct {
 	KafkaTLSInsecureSkipVer bool          `env:"KAFKA_TLS_INSECURE_SKIP_VERIFY" envDefault:"false" form:"true or false" help:"do not verify the brokers' certificates (testing only)"`
 	KafkaSASLMechanism      string        `env:"KAFKA_SASL_MECHANISM" form:"empty, PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512" help:"SASL mechanism (empty: no SASL)"`
 	KafkaSASLUser           string        `env:"KAFKA_SASL_USER" form:"string" help:"SASL user"`
-	KafkaSASLPassword       string        `env:"KAFKA_SASL_PASSWORD" form:"string" help:"SASL password"`
+	KafkaSASLPassword       secret        `env:"KAFKA_SASL_PASSWORD" form:"string" help:"SASL password"`
 
 	LogLevel        string        `env:"LOG_LEVEL" envDefault:"info" form:"debug, info, warn or error" help:"log level"`
 	LogFormat       string        `env:"LOG_FORMAT" envDefault:"text" form:"text or json" help:"log format"`
 	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
 	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message"`
 
-	targets deferral.TargetPatterns
+	targets    deferral.TargetPatterns
+	policies   *policy.Set
+	classifier policy.Classifier
+	signing    *deferral.Signing
 	// raw is the environment as given, so errors quote values as typed.
 	raw map[string]string
 }
@@ -80,6 +94,9 @@ func loadConfig(environ []string) (config, error) {
 	}
 	var c config
 	perr := env.ParseWithOptions(&c, env.Options{Environment: vars})
+	// raw is quoted in errors; secrets must never be.
+	delete(vars, "SIGNING_KEYS")
+	delete(vars, "KAFKA_SASL_PASSWORD")
 	c.raw = vars
 	if perr == nil {
 		return c, c.validate()
@@ -175,6 +192,9 @@ func (c *config) validate() error {
 	if c.KafkaTimeout < 100*time.Millisecond || c.KafkaTimeout > time.Minute {
 		errs = append(errs, c.bad("KAFKA_TIMEOUT", c.KafkaTimeout.String(), "Go duration, 100ms..1m"))
 	}
+	if c.KafkaMaxMessageBytes < 1024 || c.KafkaMaxMessageBytes > 100<<20 {
+		errs = append(errs, c.bad("KAFKA_MAX_MESSAGE_BYTES", strconv.Itoa(c.KafkaMaxMessageBytes), fieldForm("KafkaMaxMessageBytes")))
+	}
 	// The backlog query counts the whole table: a floor keeps a typo from
 	// turning it into a busy loop.
 	if c.MetricsInterval < 100*time.Millisecond || c.MetricsInterval > time.Hour {
@@ -192,6 +212,24 @@ func (c *config) validate() error {
 	var err error
 	if c.targets, err = deferral.ParseTargetPatterns(c.TargetTopics); err != nil {
 		errs = append(errs, c.bad("TARGET_TOPICS", c.TargetTopics, "comma-separated path.Match globs, e.g. orders.*,payments.retry", err))
+	}
+	// Policies are checked against MAX_DELAY; a MAX_DELAY that is not
+	// positive is reported above, and checking against it would only add
+	// noise.
+	if c.MaxDelay > 0 {
+		// A *policy.SyntaxError's text starts with its position.
+		if c.policies, err = policy.Parse(c.RetryPolicies, c.MaxDelay); err != nil {
+			errs = append(errs, c.bad("RETRY_POLICIES", c.RetryPolicies, fieldForm("RetryPolicies"), err))
+		} else if err := dlqLoops(c.policies, c.DeferTopic); err != nil {
+			errs = append(errs, c.bad("RETRY_POLICIES", c.RetryPolicies, fieldForm("RetryPolicies"), err))
+		}
+	}
+	if c.classifier, err = policy.ParseClassifier(c.NonRetriableErrors); err != nil {
+		errs = append(errs, c.bad("NON_RETRIABLE_ERRORS", c.NonRetriableErrors, fieldForm("NonRetriableErrors"), err))
+	}
+	errs = append(errs, c.loadSigning()...)
+	if c.HistoryRetention < 0 {
+		errs = append(errs, c.bad("HISTORY_RETENTION", c.HistoryRetention.String(), fieldForm("HistoryRetention"), "must not be negative"))
 	}
 	if !deferral.ValidTopic(c.DeferTopic) {
 		errs = append(errs, c.bad("DEFER_TOPIC", c.DeferTopic, "Kafka topic name: 1-249 of [a-zA-Z0-9._-]"))
@@ -229,6 +267,9 @@ func (c *config) validate() error {
 	} else if c.KafkaSASLMechanism != "" && c.KafkaSASLUser == "" {
 		errs = append(errs, fmt.Errorf("KAFKA_SASL_USER is not set: KAFKA_SASL_MECHANISM=%s needs a user", c.KafkaSASLMechanism))
 		kafkaOK = false
+	} else if c.KafkaSASLMechanism != "" && c.KafkaSASLPassword == "" {
+		errs = append(errs, fmt.Errorf("KAFKA_SASL_PASSWORD is not set: KAFKA_SASL_MECHANISM=%s needs a password", c.KafkaSASLMechanism))
+		kafkaOK = false
 	}
 	if (c.KafkaTLSCertFile == "") != (c.KafkaTLSKeyFile == "") {
 		errs = append(errs, fmt.Errorf("KAFKA_TLS_CERT_FILE=%q and KAFKA_TLS_KEY_FILE=%q: set both together for mutual TLS, or neither",
@@ -257,6 +298,63 @@ func (c *config) validate() error {
 	return errors.Join(errs...)
 }
 
+// loadSigning reads the signing keys of SIGNING_KEYS and SIGNING_KEYS_FILE
+// into c.signing. Its errors name the variable, the entry or line, and the
+// source, but never quote a key or the value of SIGNING_KEYS.
+func (c *config) loadSigning() []error {
+	var errs []error
+	keys, err := deferral.ParseSigningKeys(string(c.SigningKeys))
+	errs = append(errs, prefixed("SIGNING_KEYS (value not shown)", err)...)
+	if path := c.SigningKeysFile; path != "" {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			errs = append(errs, c.bad("SIGNING_KEYS_FILE", path, fieldForm("SigningKeysFile"), err))
+		} else {
+			more, err := deferral.ParseSigningKeysFile(data)
+			errs = append(errs, prefixed(fmt.Sprintf("SIGNING_KEYS_FILE=%q", path), err)...)
+			err = deferral.MergeSigningKeys(keys, more)
+			errs = append(errs, prefixed("SIGNING_KEYS and SIGNING_KEYS_FILE", err)...)
+		}
+	}
+	if len(errs) > 0 {
+		return errs
+	}
+	if c.SigningRequired && len(keys) == 0 {
+		return []error{errors.New("SIGNING_REQUIRED=true but neither SIGNING_KEYS nor SIGNING_KEYS_FILE gives a key: every record would be rejected")}
+	}
+	if c.signing, err = deferral.NewSigning(keys, c.SigningRequired); err != nil {
+		return prefixed("SIGNING_KEYS", err)
+	}
+	return nil
+}
+
+// prefixed returns each error joined in err (errors.Join) prefixed with
+// what, so that each problem has a line that names its variable.
+func prefixed(what string, err error) []error {
+	if err == nil {
+		return nil
+	}
+	list := []error{err}
+	if j, ok := err.(interface{ Unwrap() []error }); ok {
+		list = j.Unwrap()
+	}
+	out := make([]error, len(list))
+	for i, e := range list {
+		out[i] = fmt.Errorf("%s: %w", what, e)
+	}
+	return out
+}
+
+// secret is a configuration value that must never be printed: fmt, with
+// any verb, and slog show it as "(not shown)".
+type secret string
+
+// Format implements fmt.Formatter.
+func (secret) Format(f fmt.State, _ rune) { _, _ = io.WriteString(f, "(not shown)") }
+
+// LogValue implements slog.LogValuer.
+func (secret) LogValue() slog.Value { return slog.StringValue("(not shown)") }
+
 // requireRun checks what only `run` needs.
 func (c *config) requireRun() error {
 	var errs []error
@@ -274,7 +372,7 @@ func (c *config) kafka() kafkaclient.Settings {
 		Version: c.KafkaVersion, ClientID: c.KafkaClientID, Timeout: c.KafkaTimeout,
 		TLS: c.KafkaTLS, TLSCAFile: c.KafkaTLSCAFile, TLSCertFile: c.KafkaTLSCertFile, TLSKeyFile: c.KafkaTLSKeyFile,
 		TLSInsecureSkipVer: c.KafkaTLSInsecureSkipVer,
-		SASLMechanism:      c.KafkaSASLMechanism, SASLUser: c.KafkaSASLUser, SASLPassword: c.KafkaSASLPassword,
+		SASLMechanism:      c.KafkaSASLMechanism, SASLUser: c.KafkaSASLUser, SASLPassword: string(c.KafkaSASLPassword),
 	}
 }
 
@@ -286,6 +384,13 @@ func (c *config) logger(w io.Writer) *slog.Logger {
 		return slog.New(slog.NewJSONHandler(w, opts))
 	}
 	return slog.New(slog.NewTextHandler(w, opts))
+}
+
+// fieldForm returns the form tag of the config field named name, so that a
+// long form is written once.
+func fieldForm(name string) string {
+	f, _ := reflect.TypeFor[config]().FieldByName(name)
+	return f.Tag.Get("form")
 }
 
 // envVar describes one variable, for --help and the README check.
@@ -316,4 +421,22 @@ func printEnvHelp(w io.Writer) {
 		fmt.Fprintf(tw, "  %s\t%s\t%s\n", v.Name, def, v.Help)
 	}
 	tw.Flush()
+}
+
+// dlqLoops refuses dead-letter topics that would feed copies back into the
+// scheduler: the defer topic itself (each copy would be ingested, parked
+// again and copied again, forever), or the target topic ("dlq {target}":
+// the failing consumer would get every copy and defer it again).
+func dlqLoops(set *policy.Set, deferTopic string) error {
+	patterns, policies := set.Policies()
+	for i, p := range policies {
+		switch {
+		case p.DLQ == "":
+		case p.DLQ == "{target}":
+			return fmt.Errorf("%s: dlq {target} sends each dead-letter copy back to the topic whose consumer failed on it; use e.g. dlq {target}.dlq", patterns[i])
+		case p.DLQ == deferTopic:
+			return fmt.Errorf("%s: dlq %s is DEFER_TOPIC: every copy would be ingested and parked again, forever", patterns[i], p.DLQ)
+		}
+	}
+	return nil
 }

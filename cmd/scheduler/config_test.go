@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -11,6 +13,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/deferq/scheduler/internal/policy"
 )
 
 // validEnv is a complete configuration for run, with nothing listening at
@@ -46,12 +50,19 @@ func TestConfigDefaults(t *testing.T) {
 		{"TARGET_TOPICS", "", cfg.TargetTopics, ""},
 		{"HTTP_ADDR", ":8080", cfg.HTTPAddr, ":8080"},
 		{"MAX_DELAY", "720h", cfg.MaxDelay, 720 * time.Hour},
+		{"RETRY_POLICIES", "", cfg.RetryPolicies, ""},
+		{"NON_RETRIABLE_ERRORS", "", cfg.NonRetriableErrors, ""},
+		{"HISTORY_RETENTION", "720h", cfg.HistoryRetention, 720 * time.Hour},
+		{"SIGNING_KEYS", "", cfg.SigningKeys, secret("")},
+		{"SIGNING_KEYS_FILE", "", cfg.SigningKeysFile, ""},
+		{"SIGNING_REQUIRED", "false", cfg.SigningRequired, false},
 		{"INGEST_BATCH_SIZE", "1000", cfg.IngestBatchSize, 1000},
 		{"DISPATCH_LOOPS", "4", cfg.DispatchLoops, 4},
 		{"LEASE_DURATION", "90s", cfg.LeaseDuration, 90 * time.Second},
 		{"POLL_INTERVAL", "1s", cfg.PollInterval, time.Second},
 		{"LISTEN_NOTIFY", "true", cfg.ListenNotify, true},
 		{"KAFKA_TIMEOUT", "5s", cfg.KafkaTimeout, 5 * time.Second},
+		{"KAFKA_MAX_MESSAGE_BYTES", "1048576", cfg.KafkaMaxMessageBytes, 1048576},
 		{"KAFKA_TLS", "false", cfg.KafkaTLS, false},
 		{"KAFKA_SASL_MECHANISM", "", cfg.KafkaSASLMechanism, ""},
 		{"LOG_LEVEL", "info", cfg.LogLevel, "info"},
@@ -178,6 +189,10 @@ func TestConfigRejectsBadValues(t *testing.T) {
 			[]string{`LISTEN_NOTIFY="maybe"`, "true or false"}},
 		{"kafka timeout too short", []string{"KAFKA_TIMEOUT=1ms"}, []string{"KAFKA_TIMEOUT"},
 			[]string{`KAFKA_TIMEOUT="1ms"`, "100ms..1m"}},
+		{"max message bytes too small", []string{"KAFKA_MAX_MESSAGE_BYTES=10"}, []string{"KAFKA_MAX_MESSAGE_BYTES"},
+			[]string{`KAFKA_MAX_MESSAGE_BYTES="10"`, "1024..104857600"}},
+		{"max message bytes not a number", []string{"KAFKA_MAX_MESSAGE_BYTES=1MB"}, []string{"KAFKA_MAX_MESSAGE_BYTES"},
+			[]string{`KAFKA_MAX_MESSAGE_BYTES="1MB"`}},
 		{"lease shorter than a publish", []string{"LEASE_DURATION=1s"}, []string{"LEASE_DURATION"},
 			[]string{`LEASE_DURATION="1s"`, "longer than", "KAFKA_TIMEOUT"}},
 		// The default lease (90s) outlasts a publish at the default
@@ -202,6 +217,25 @@ func TestConfigRejectsBadValues(t *testing.T) {
 			[]string{"/nonexistent"}},
 		{"tls cert without key", []string{"KAFKA_TLS=true", "KAFKA_TLS_CERT_FILE=/nonexistent.pem"}, []string{"KAFKA_TLS_KEY_FILE", "KAFKA_*"},
 			[]string{"/nonexistent.pem", "together"}},
+		// Policy errors carry the position in the value, 1-based.
+		{"retry policy syntax", []string{"RETRY_POLICIES=orders.*: ladder 30s,5q"}, []string{"RETRY_POLICIES"},
+			[]string{`RETRY_POLICIES="orders.*: ladder 30s,5q"`, "position 22:", `"5q"`, "pattern: policy entries"}},
+		{"retry policy unknown keyword", []string{"RETRY_POLICIES=*: linear 1s max 3"}, []string{"RETRY_POLICIES"},
+			[]string{`RETRY_POLICIES="*: linear 1s max 3"`, "position 4:", "linear"}},
+		{"retry policy step beyond MAX_DELAY", []string{"MAX_DELAY=1h", "RETRY_POLICIES=*: ladder 2h"}, []string{"RETRY_POLICIES"},
+			[]string{`RETRY_POLICIES="*: ladder 2h"`, "position 11:", "maximum delay", "at most MAX_DELAY"}},
+		{"dead-letter copies back to the target", []string{"RETRY_POLICIES=orders.*: ladder 1s dlq {target}"}, []string{"RETRY_POLICIES"},
+			[]string{`RETRY_POLICIES="orders.*: ladder 1s dlq {target}"`, "orders.*: dlq {target} sends each dead-letter copy back"}},
+		{"dead-letter copies into the defer topic", []string{"DEFER_TOPIC=defer.in", "RETRY_POLICIES=*: ladder 1s; x.*: ladder 2s dlq defer.in"}, []string{"RETRY_POLICIES"},
+			[]string{"x.*: dlq defer.in is DEFER_TOPIC"}},
+		{"retry policies over several lines", []string{"RETRY_POLICIES=a.*: ladder 1s;\nb.*: exponential 1s"}, []string{"RETRY_POLICIES"},
+			[]string{`RETRY_POLICIES="a.*: ladder 1s;\nb.*: exponential 1s"`, "position"}},
+		{"non-retriable errors: empty item", []string{"NON_RETRIABLE_ERRORS=*Json*,,Fatal*"}, []string{"NON_RETRIABLE_ERRORS"},
+			[]string{`NON_RETRIABLE_ERRORS="*Json*,,Fatal*"`, "position 8:", "comma-separated globs"}},
+		{"history retention negative", []string{"HISTORY_RETENTION=-1h"}, []string{"HISTORY_RETENTION"},
+			[]string{`HISTORY_RETENTION="-1h"`, "must not be negative", "Go duration >= 0"}},
+		{"history retention unparsable", []string{"HISTORY_RETENTION=a month"}, []string{"HISTORY_RETENTION"},
+			[]string{`HISTORY_RETENTION="a month"`, "Go duration >= 0"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -257,6 +291,8 @@ func TestConfigReportsEveryProblem(t *testing.T) {
 			[]string{"LOG_LEVEL", "LOG_FORMAT", "POLL_INTERVAL", "DISPATCH_LOOPS", "HTTP_ADDR"}},
 		{"both kinds", []string{"MAX_DELAY=abc", "DISPATCH_WORKERS=many", "LOG_LEVEL=loud", "DEFER_TOPIC=a b"},
 			[]string{"MAX_DELAY", "DISPATCH_WORKERS", "LOG_LEVEL", "DEFER_TOPIC"}},
+		{"retry rules", []string{"RETRY_POLICIES=*: ladder", "NON_RETRIABLE_ERRORS=,", "HISTORY_RETENTION=-1s", "LOG_LEVEL=loud"},
+			[]string{"RETRY_POLICIES", "NON_RETRIABLE_ERRORS", "HISTORY_RETENTION", "LOG_LEVEL"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -277,6 +313,202 @@ func TestConfigReportsEveryProblem(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestConfigRetryRules checks that valid retry rules are parsed for the
+// service, against MAX_DELAY.
+func TestConfigRetryRules(t *testing.T) {
+	cfg, err := loadConfig(withEnv(
+		"MAX_DELAY=2h",
+		"RETRY_POLICIES=payments.*: ladder 30s,5m,30m dlq {target}.dlq;\n  orders.*: exponential 1s x3 cap 1h forever release",
+		"NON_RETRIABLE_ERRORS= *JsonParseException , com.acme.Validation* ",
+		"HISTORY_RETENTION=0"))
+	if err != nil {
+		t.Fatalf("loadConfig: %v", err)
+	}
+	tests := []struct {
+		target     string
+		text       string
+		maxRetries int32
+		forever    bool
+		release    bool
+		dlq        string
+	}{
+		{"payments.card", "ladder 30s,5m,30m dlq {target}.dlq", 3, false, false, "payments.card.dlq"},
+		{"orders.created", "exponential 1s x3 cap 1h forever release", 0, true, true, ""},
+		{"audit", policy.DefaultPolicy, 10, false, false, ""},
+	}
+	for _, tt := range tests {
+		p := cfg.policies.For(tt.target)
+		if p.Text != tt.text || p.MaxRetries != tt.maxRetries || p.Forever != tt.forever || p.ReleaseKey != tt.release ||
+			p.DLQTopic(tt.target) != tt.dlq || p.MaxDelay != 2*time.Hour {
+			t.Errorf("policy of %s: %q max %d forever %v release %v dlq %q capped at %v; want %q, %d, %v, %v, %q, 2h",
+				tt.target, p.Text, p.MaxRetries, p.Forever, p.ReleaseKey, p.DLQTopic(tt.target), p.MaxDelay,
+				tt.text, tt.maxRetries, tt.forever, tt.release, tt.dlq)
+		}
+	}
+	for class, want := range map[string]string{
+		"com.fasterxml.jackson.core.JsonParseException": "non_retriable",
+		"com.acme.ValidationError":                      "non_retriable",
+		"permanent":                                     "permanent",
+		"java.net.SocketTimeoutException":               "",
+	} {
+		if code, _ := cfg.classifier.Classify(class); code != want {
+			t.Errorf("Classify(%q) = %q, want %q", class, code, want)
+		}
+	}
+	if cfg.HistoryRetention != 0 {
+		t.Errorf("HISTORY_RETENTION=0 gave %v, want 0 (keep forever)", cfg.HistoryRetention)
+	}
+
+	// Without MAX_DELAY the policies cannot be checked: only MAX_DELAY is
+	// reported, not a policy that would fit any sensible maximum.
+	_, err = loadConfig(withEnv("MAX_DELAY=abc", "RETRY_POLICIES=*: ladder 1s"))
+	if err == nil || !strings.Contains(err.Error(), "MAX_DELAY=") || strings.Contains(err.Error(), "RETRY_POLICIES") {
+		t.Errorf("bad MAX_DELAY with good policies: %v; want MAX_DELAY reported alone", err)
+	}
+}
+
+// TestConfigSigning checks SIGNING_KEYS, SIGNING_KEYS_FILE and
+// SIGNING_REQUIRED: keys from either or both, and errors that name the
+// variable, the entry and the source but never show a key, in loadConfig's
+// error, in run's output, in --help, and when the configuration is printed.
+func TestConfigSigning(t *testing.T) {
+	hexA := strings.Repeat("a1", 32)
+	hexB := strings.Repeat("B2", 40)
+	hexC := strings.Repeat("c3", 32)
+	short := strings.Repeat("d4", 20)
+	// secrets are every key text used below; no output may contain one,
+	// nor the start of one.
+	secrets := []string{hexA, hexB, hexC, short, "a1a1a1a1", "B2B2B2B2", "c3c3c3c3", "d4d4d4d4"}
+	dir := t.TempDir()
+	file := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	good := file("good", "# keys\nbilling="+hexB+"\n\n  shipping = "+hexC+"\n")
+	overlap := file("overlap", "orders="+hexC+"\n")
+	bad := file("bad", "billing="+short+"\n# x\norders\n")
+
+	tests := []struct {
+		name     string
+		env      []string
+		sources  []string // on success
+		required bool
+		errs     []string // on failure: each must be in the error
+	}{
+		{name: "none", sources: nil},
+		{name: "env", env: []string{"SIGNING_KEYS=orders=" + hexA + ", payments.v2=" + hexC}, sources: []string{"orders", "payments.v2"}},
+		{name: "file", env: []string{"SIGNING_KEYS_FILE=" + good}, sources: []string{"billing", "shipping"}},
+		{name: "both", env: []string{"SIGNING_KEYS=orders=" + hexA, "SIGNING_KEYS_FILE=" + good, "SIGNING_REQUIRED=true"},
+			sources: []string{"billing", "orders", "shipping"}, required: true},
+		{name: "a source in both", env: []string{"SIGNING_KEYS=billing=" + hexA, "SIGNING_KEYS_FILE=" + good},
+			errs: []string{"SIGNING_KEYS and SIGNING_KEYS_FILE", `source "billing" is given in both`}},
+		{name: "bad hex", env: []string{"SIGNING_KEYS=orders=" + hexA + ",billing=" + strings.Repeat("zz", 32)},
+			errs: []string{"SIGNING_KEYS", "entry 2", `source "billing"`, "not hex"}},
+		{name: "short key", env: []string{"SIGNING_KEYS=orders=" + short},
+			errs: []string{"SIGNING_KEYS", "entry 1", `source "orders"`, "20 bytes, want at least 32"}},
+		{name: "duplicate source", env: []string{"SIGNING_KEYS=orders=" + hexA + ",orders=" + hexC},
+			errs: []string{"SIGNING_KEYS", "entry 2", `source "orders" is given again`}},
+		{name: "bad file, every problem", env: []string{"SIGNING_KEYS_FILE=" + bad},
+			errs: []string{`SIGNING_KEYS_FILE="` + bad + `": line 1: source "billing": key is 20 bytes`, `SIGNING_KEYS_FILE="` + bad + `": line 3 has no '='`}},
+		{name: "file and env problems together", env: []string{"SIGNING_KEYS=" + hexA, "SIGNING_KEYS_FILE=" + overlap, "LOG_LEVEL=loud"},
+			errs: []string{"SIGNING_KEYS (value not shown): entry 1 has no '='", "LOG_LEVEL"}},
+		{name: "file missing", env: []string{"SIGNING_KEYS_FILE=" + filepath.Join(dir, "nope")},
+			errs: []string{`SIGNING_KEYS_FILE="` + filepath.Join(dir, "nope") + `"`, "no such file", "source=KEY lines"}},
+		{name: "required without keys", env: []string{"SIGNING_REQUIRED=true"},
+			errs: []string{"SIGNING_REQUIRED=true", "every record would be rejected"}},
+		{name: "required unparsable", env: []string{"SIGNING_REQUIRED=yes please"},
+			errs: []string{`SIGNING_REQUIRED="yes please"`, "true or false"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			noSecret := func(where, text string) {
+				t.Helper()
+				for _, s := range secrets {
+					if strings.Contains(text, s) || strings.Contains(strings.ToLower(text), strings.ToLower(s)) {
+						t.Errorf("%s shows key material %q:\n%s", where, s, text)
+					}
+				}
+			}
+			env := withEnv(tt.env...)
+			cfg, err := loadConfig(env)
+			// However the configuration is printed, no key shows.
+			noSecret("the printed configuration", fmt.Sprintf("%v %+v %#v", cfg, cfg, cfg))
+			if tt.errs == nil {
+				if err != nil {
+					t.Fatalf("loadConfig: %v", err)
+				}
+				if got := cfg.signing.Sources(); !slices.Equal(got, tt.sources) || cfg.signing.Required() != tt.required {
+					t.Errorf("sources %q required %v, want %q %v", got, cfg.signing.Required(), tt.sources, tt.required)
+				}
+				var buf bytes.Buffer
+				logPolicies(slog.New(slog.NewTextHandler(&buf, nil)), cfg)
+				noSecret("the start-up log", buf.String())
+				if len(tt.sources) > 0 && !strings.Contains(buf.String(), `msg="record signing" sources=`+strings.Join(tt.sources, ",")) {
+					t.Errorf("the start-up log does not list the sources:\n%s", buf.String())
+				}
+				return
+			}
+			if err == nil {
+				t.Fatal("loadConfig: no error")
+			}
+			for _, w := range tt.errs {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error lacks %q:\n%v", w, err)
+				}
+			}
+			noSecret("loadConfig's error", err.Error())
+
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			var stdout, stderr bytes.Buffer
+			if code := run(ctx, []string{"run"}, env, &stdout, &stderr); code != 2 {
+				t.Errorf("run: exit %d, want 2 (configuration error)\nstderr:\n%s", code, stderr.String())
+			}
+			noSecret("run's output", stdout.String()+stderr.String())
+		})
+	}
+
+	// The keys of a valid configuration stay out of --help too.
+	var stdout, stderr bytes.Buffer
+	run(context.Background(), []string{"run", "--help"}, withEnv("SIGNING_KEYS=orders="+hexA), &stdout, &stderr)
+	if !strings.Contains(stdout.String(), "SIGNING_KEYS") {
+		t.Errorf("run --help does not list SIGNING_KEYS:\n%s", stdout.String())
+	}
+	if strings.Contains(stdout.String()+stderr.String(), "a1a1a1a1") {
+		t.Errorf("run --help shows a key:\n%s%s", stdout.String(), stderr.String())
+	}
+}
+
+// The start-up log lists the policies one entry per line, in the order they
+// are tried, and the error classes parked without retry.
+func TestLogPolicies(t *testing.T) {
+	cfg, err := loadConfig(withEnv("RETRY_POLICIES=payments.*: ladder 1s dlq {target}.dlq; *: exponential 1s max 3",
+		"NON_RETRIABLE_ERRORS=*Json*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	logPolicies(slog.New(slog.NewTextHandler(&buf, nil)), cfg)
+	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
+	want := []string{
+		`msg="retry policy" targets=payments.* policy="ladder 1s dlq {target}.dlq"`,
+		`msg="retry policy" targets=* policy="exponential 1s x2 max 3"`,
+		`msg="error classes parked without retry" patterns=permanent,*Json*`,
+		`msg="attempt history" retention=720h0m0s`,
+	}
+	if len(lines) != len(want) {
+		t.Fatalf("%d lines, want %d:\n%s", len(lines), len(want), buf.String())
+	}
+	for i, w := range want {
+		if !strings.Contains(lines[i], w) {
+			t.Errorf("line %d: %s\nwant it to contain %s", i+1, lines[i], w)
+		}
 	}
 }
 

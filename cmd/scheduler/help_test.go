@@ -30,8 +30,12 @@ func TestHelpAndUsage(t *testing.T) {
 		{name: "run -h", args: []string{"run", "-h"}, code: 0, stdout: append([]string{"Usage: scheduler run"}, allVars...)},
 		{name: "migrate --help", args: []string{"migrate", "--help"}, code: 0, stdout: []string{"Usage: scheduler migrate"}},
 		{name: "demo --help", args: []string{"demo", "--help"}, code: 0, stdout: []string{"Usage: scheduler demo"}},
+		{name: "--help lists the operator commands", args: []string{"--help"}, code: 0, stdout: []string{
+			"\n  status ", "\n  ls ", "\n  show ", "\n  held ", "\n  expedite ", "\n  cancel ", "\n  park ",
+			"\n  replay ", "\n  pause ", "\n  resume ", "\n  limit ", "\n  targets ",
+		}},
 		{name: "version", args: []string{"version"}, code: 0, stdout: []string{"scheduler " + version}},
-		{name: "unknown command", args: []string{"frob"}, code: 2, stderr: []string{`"frob"`, "unknown command"}},
+		{name: "unknown command", args: []string{"frob"}, code: 2, stderr: []string{`"frob"`, "unknown command", "replay", "targets"}},
 		{name: "unknown flag", args: []string{"run", "--nosuchflag"}, code: 2, stderr: []string{"nosuchflag", "scheduler run --help"}},
 		{name: "unknown migrate flag", args: []string{"migrate", "-x"}, code: 2, stderr: []string{"-x", "scheduler migrate --help"}},
 		{name: "extra argument", args: []string{"run", "extra"}, code: 2, stderr: []string{`"extra"`, "unexpected argument"}},

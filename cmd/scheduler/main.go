@@ -15,6 +15,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -29,7 +30,7 @@ var version = "dev"
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	os.Exit(run(ctx, os.Args[1:], os.Environ(), os.Stdout, os.Stderr))
+	os.Exit(runWithInput(ctx, os.Args[1:], os.Environ(), os.Stdin, os.Stdout, os.Stderr))
 }
 
 const usage = `scheduler: a database-backed delay scheduler for Kafka.
@@ -48,18 +49,33 @@ Operator commands (DATABASE_URL; --json for scripts; see "Operating it" in
 the README and the SQL runbook in sql/runbook):
   status    backlog by target and state, lateness, held keys, recent rejections
   ls        list messages, filtered by target, state, key or reason
-  show      one message: its row, key, headers, value and lineage
+  show      one message: its row, key, headers, value, lineage and history
+  held      business keys that cannot move: held by a parked message,
+            backing off after failed publishes, or leased
   expedite  make pending messages due now, by id, business key or target
   cancel    delete messages by id
   park      park pending messages by id, with a reason
+  replay    send parked or rejected messages again, by filter, at a rate
+  pause     stop republishing to a target topic; resume undoes it
+  resume    republish to a paused target topic again
+  limit     cap a target topic's rate in messages per second, or lift it (off)
+  targets   list the per-target controls: paused, rate limit, note
 
 Configuration comes from environment variables; "scheduler run --help" lists
 them with their defaults. "scheduler <command> --help" describes a command.
 `
 
-// run is main without the process: it returns the exit code. 0 is success, 1
-// a failure while running, 2 a usage or configuration error.
+// run is main without the process and without input: a command that asks a
+// question (replay, above --confirm-above) reads end of input and gets no
+// for an answer.
 func run(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	return runWithInput(ctx, args, environ, strings.NewReader(""), stdout, stderr)
+}
+
+// runWithInput is main without the process: it returns the exit code. 0 is
+// success, 1 a failure while running, 2 a usage or configuration error.
+// stdin answers the questions a command asks.
+func runWithInput(ctx context.Context, args, environ []string, stdin io.Reader, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return 2
@@ -90,8 +106,21 @@ func run(ctx context.Context, args, environ []string, stdout, stderr io.Writer) 
 		return cmdCancel(ctx, rest, environ, stdout, stderr)
 	case "park":
 		return cmdPark(ctx, rest, environ, stdout, stderr)
+	case "held":
+		return cmdHeld(ctx, rest, environ, stdout, stderr)
+	case "replay":
+		return cmdReplay(ctx, rest, environ, stdin, stdout, stderr)
+	case "pause":
+		return cmdPause(ctx, rest, environ, stdout, stderr)
+	case "resume":
+		return cmdResume(ctx, rest, environ, stdout, stderr)
+	case "limit":
+		return cmdLimit(ctx, rest, environ, stdout, stderr)
+	case "targets":
+		return cmdTargets(ctx, rest, environ, stdout, stderr)
 	default:
-		fmt.Fprintf(stderr, "scheduler: unknown command %q; commands are run, migrate, demo, version, status, ls, show, expedite, cancel, park (see scheduler --help)\n", cmd)
+		fmt.Fprintf(stderr, "scheduler: unknown command %q; commands are run, migrate, demo, version, status, ls, show, held, "+
+			"expedite, cancel, park, replay, pause, resume, limit, targets (see scheduler --help)\n", cmd)
 		return 2
 	}
 }

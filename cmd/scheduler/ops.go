@@ -258,3 +258,26 @@ func idList(ids []int64) string {
 	}
 	return strings.Join(s, ",")
 }
+
+// showRunbook runs the runbook file on a fresh connection and prints its
+// rows: as JSON with --json; else empty when there are none (if empty is
+// set); else through print. done is false only when the rows were printed
+// as a table, for a caller that adds a footer; code is the exit code.
+func showRunbook[T any](ctx context.Context, o *ops, environ []string, file string, vars map[string]string,
+	empty string, print func(io.Writer, []T)) (rows []T, code int, done bool) {
+	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+		rows, err = runbookRows[T](ctx, conn, file, vars)
+		return err
+	})
+	switch {
+	case err != nil:
+		return nil, o.exit(err), true
+	case o.json:
+		return rows, o.exit(o.printJSON(rows)), true
+	case len(rows) == 0 && empty != "":
+		fmt.Fprintln(o.stdout, empty)
+		return rows, 0, true
+	}
+	print(o.stdout, rows)
+	return rows, 0, false
+}

@@ -27,8 +27,9 @@ const statusHelp = `Usage: scheduler status [--json]
 
 One screen on the scheduler's database (DATABASE_URL): the backlog by target
 topic and state; how late dispatch is (the oldest key head that is due); how
-many business keys are held (backing off after failed publishes, or leased by
-a dispatcher); and what ingest rejected in the last hour, by reason.
+many business keys are held (by a parked message, backing off after failed
+publishes, or leased by a dispatcher; "scheduler held" lists them); and what
+ingest rejected in the last hour, by reason.
 
 It runs the runbook files backlog.sql, oldest_due.sql, held_keys.sql and
 rejected_recent.sql (sql/runbook) in one snapshot; run those with psql for the
@@ -83,9 +84,17 @@ type oldestDueRow struct {
 	LatenessSeconds float64         `db:"lateness_seconds" json:"lateness_seconds"`
 }
 
+// The kinds of held key in held_keys.sql.
+const (
+	heldParked     = "parked"
+	heldBackingOff = "backing_off"
+	heldLeased     = "leased"
+)
+
 // heldKeyRow is a row of held_keys.sql.
 type heldKeyRow struct {
 	BusinessKey *string    `db:"business_key" json:"business_key"`
+	Kind        string     `db:"kind" json:"kind"` // parked, backing_off or leased
 	Why         string     `db:"why" json:"why"`
 	Failures    int32      `db:"failures" json:"failures"`
 	LeasedUntil *time.Time `db:"leased_until" json:"leased_until"`
@@ -93,9 +102,13 @@ type heldKeyRow struct {
 	HeadID      int64      `db:"head_id" json:"head_id"`
 	HeadSeq     *int64     `db:"head_seq" json:"head_seq"`
 	TargetTopic *string    `db:"target_topic" json:"target_topic"`
-	NextRunAt   time.Time  `db:"next_run_at" json:"next_run_at"`
-	Attempt     *int32     `db:"attempt" json:"attempt"`
-	ErrorClass  *string    `db:"error_class" json:"error_class"`
+	// NextRunAt is null for a parked head: it never comes due.
+	NextRunAt  *time.Time `db:"next_run_at" json:"next_run_at"`
+	Attempt    *int32     `db:"attempt" json:"attempt"`
+	ErrorClass *string    `db:"error_class" json:"error_class"`
+	Reason     *string    `db:"reason" json:"reason"`       // the parked head's
+	ParkedAt   *time.Time `db:"parked_at" json:"parked_at"` // the parked head's
+	Waiting    int64      `db:"waiting" json:"waiting"`     // pending messages of the key behind the head
 }
 
 // rejectedRow is a row of rejected_recent.sql.
@@ -112,6 +125,7 @@ type statusReport struct {
 	LatenessSeconds  float64       `json:"lateness_seconds"`
 	OldestDue        *oldestDueRow `json:"oldest_due"` // null when no head is due
 	HeldKeys         int           `json:"held_keys"`
+	ParkedKeys       int           `json:"parked_keys"` // held by a parked message
 	BackingOffKeys   int           `json:"backing_off_keys"`
 	RejectedLastHour int64         `json:"rejected_last_hour"`
 	RejectedReasons  []rejectedRow `json:"rejected_reasons"`
@@ -140,7 +154,10 @@ func readStatus(ctx context.Context, q queryer) (statusReport, error) {
 	}
 	s.HeldKeys = len(held)
 	for _, h := range held {
-		if h.Failures > 0 {
+		switch h.Kind {
+		case heldParked:
+			s.ParkedKeys++
+		case heldBackingOff:
 			s.BackingOffKeys++
 		}
 	}
@@ -173,7 +190,8 @@ func (s statusReport) print(w io.Writer) {
 			printable(orDash(o.BusinessKey), false), printable(orDash(o.TargetTopic), false),
 			formatTimePtr(o.DueAt), s.DueHeads, plural(s.DueHeads, "", "s"))
 	}
-	fmt.Fprintf(w, "Held keys: %d, %d backing off after failed publishes (held_keys.sql lists them)\n", s.HeldKeys, s.BackingOffKeys)
+	fmt.Fprintf(w, "Held keys: %d, %d by a parked message, %d backing off after failed publishes (scheduler held lists them)\n",
+		s.HeldKeys, s.ParkedKeys, s.BackingOffKeys)
 	if s.RejectedLastHour == 0 {
 		fmt.Fprintln(w, "Rejected in the last hour: none")
 	} else {
@@ -224,22 +242,10 @@ func cmdLs(ctx context.Context, args, environ []string, stdout, stderr io.Writer
 		return o.exit(usagef("--limit %d is out of range: want 1..100000", *limit))
 	}
 	vars := map[string]string{"target": *target, "state": *state, "key": *key, "reason": *reason, "limit": strconv.Itoa(*limit)}
-	var rows []opsMessage
-	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		rows, err = runbookRows[opsMessage](ctx, conn, "list.sql", vars)
-		return err
-	})
-	if err != nil {
-		return o.exit(err)
+	rows, code, done := showRunbook(ctx, o, environ, "list.sql", vars, "no messages match", printMessages)
+	if done {
+		return code
 	}
-	if o.json {
-		return o.exit(o.printJSON(rows))
-	}
-	if len(rows) == 0 {
-		fmt.Fprintln(o.stdout, "no messages match")
-		return 0
-	}
-	printMessages(o.stdout, rows)
 	if len(rows) == *limit {
 		fmt.Fprintf(o.stdout, "(the first %d; --limit shows more)\n", *limit)
 	}
@@ -250,8 +256,13 @@ const showHelp = `Usage: scheduler show [--full] [--json] ID
 
 Shows one message: its row (where and when it goes, its state and why,
 whether it heads its business key and how many messages of the key are ahead
-of it, where it was read), its record key, its headers in order, its value,
-and its lineage (the message it re-defers, and those that re-defer it).
+of it or wait behind it, where it was read, when it was parked, its
+dead-letter copy, how often it was replayed), its record key, its headers in
+order, its value, its lineage (the message it re-defers, and those that
+re-defer it), and the lineage's history: every time one of its messages was
+deferred, parked, rejected or replayed, with the attempt and the error.
+A message that is gone (delivered, or cancelled) shows its history alone,
+until HISTORY_RETENTION prunes it.
 Keys, header values and the value are printed as text when they are valid
 UTF-8, else as \x and hex; only their first 256 bytes unless --full.
 It runs the runbook file show_message.sql.
@@ -291,6 +302,10 @@ func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 	if o.json {
 		return o.exit(o.printJSON(st))
 	}
+	if st.Message == nil {
+		st.printGone(o.stdout, ids[0])
+		return 0
+	}
 	st.print(o.stdout, time.Now())
 	return 0
 }
@@ -298,23 +313,30 @@ func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 // messageRow is the first result of show_message.sql.
 type messageRow struct {
 	opsMessage
-	ErrorClass      *string   `db:"error_class" json:"error_class"`
-	ErrorMessage    *string   `db:"error_message" json:"error_message"`
-	OriginID        *int64    `db:"origin_id" json:"origin_id"`
-	CreatedAt       time.Time `db:"created_at" json:"created_at"`
-	UpdatedAt       time.Time `db:"updated_at" json:"updated_at"`
-	SourceTopic     *string   `db:"source_topic" json:"source_topic"`
-	SourcePartition *int32    `db:"source_partition" json:"source_partition"`
-	SourceOffset    *int64    `db:"source_offset" json:"source_offset"`
-	IsHead          bool      `db:"is_head" json:"is_head"`
-	PendingAhead    *int64    `db:"pending_ahead" json:"pending_ahead"`
-	KeyEncoding     *string   `db:"key_encoding" json:"key_encoding"` // text, hex, or null: no key
-	Key             *string   `db:"key" json:"key"`
-	KeyTruncated    bool      `db:"-" json:"key_truncated"`
-	ValueBytes      *int32    `db:"value_bytes" json:"value_bytes"`
-	ValueEncoding   *string   `db:"value_encoding" json:"value_encoding"`
-	Value           *string   `db:"value" json:"value"`
-	ValueTruncated  bool      `db:"-" json:"value_truncated"`
+	ErrorClass      *string    `db:"error_class" json:"error_class"`
+	ErrorMessage    *string    `db:"error_message" json:"error_message"`
+	OriginID        *int64     `db:"origin_id" json:"origin_id"`
+	CreatedAt       time.Time  `db:"created_at" json:"created_at"`
+	UpdatedAt       time.Time  `db:"updated_at" json:"updated_at"`
+	SourceTopic     *string    `db:"source_topic" json:"source_topic"`
+	SourcePartition *int32     `db:"source_partition" json:"source_partition"`
+	SourceOffset    *int64     `db:"source_offset" json:"source_offset"`
+	ParkedAt        *time.Time `db:"parked_at" json:"parked_at"`
+	ParkHoldsKey    bool       `db:"park_holds_key" json:"park_holds_key"`
+	DLQTopic        *string    `db:"dlq_topic" json:"dlq_topic"`
+	DLQPublishedAt  *time.Time `db:"dlq_published_at" json:"dlq_published_at"`
+	RedriveCount    int32      `db:"redrive_count" json:"redrive_count"`
+	HoldsKey        bool       `db:"holds_key" json:"holds_key"` // a parked head holding its key
+	WaitingBehind   *int64     `db:"waiting_behind" json:"waiting_behind"`
+	IsHead          bool       `db:"is_head" json:"is_head"`
+	PendingAhead    *int64     `db:"pending_ahead" json:"pending_ahead"`
+	KeyEncoding     *string    `db:"key_encoding" json:"key_encoding"` // text, hex, or null: no key
+	Key             *string    `db:"key" json:"key"`
+	KeyTruncated    bool       `db:"-" json:"key_truncated"`
+	ValueBytes      *int32     `db:"value_bytes" json:"value_bytes"`
+	ValueEncoding   *string    `db:"value_encoding" json:"value_encoding"`
+	Value           *string    `db:"value" json:"value"`
+	ValueTruncated  bool       `db:"-" json:"value_truncated"`
 }
 
 // headerRow is a row of the second result of show_message.sql.
@@ -332,11 +354,28 @@ type lineageRow struct {
 	opsMessage
 }
 
-// story is what `show` prints.
+// historyRow is a row of history.sql and of the fourth result of
+// show_message.sql.
+type historyRow struct {
+	LineageID    int64      `db:"lineage_id" json:"lineage_id"`
+	MessageID    int64      `db:"message_id" json:"message_id"`
+	RecordedAt   time.Time  `db:"recorded_at" json:"recorded_at"`
+	Event        string     `db:"event" json:"event"` // deferred, parked, rejected or replayed
+	Attempt      int32      `db:"attempt" json:"attempt"`
+	Reason       *string    `db:"reason" json:"reason"`
+	ErrorClass   *string    `db:"error_class" json:"error_class"`
+	ErrorMessage *string    `db:"error_message" json:"error_message"`
+	TargetTopic  *string    `db:"target_topic" json:"target_topic"`
+	NextRunAt    *time.Time `db:"next_run_at" json:"next_run_at"`
+}
+
+// story is what `show` prints. Message is nil when the message is gone and
+// only its history remains.
 type story struct {
-	Message messageRow   `json:"message"`
+	Message *messageRow  `json:"message"`
 	Headers []headerRow  `json:"headers"`
 	Lineage []lineageRow `json:"lineage"`
+	History []historyRow `json:"history"`
 }
 
 func readStory(ctx context.Context, q queryer, id int64) (story, error) {
@@ -346,29 +385,37 @@ func readStory(ctx context.Context, q queryer, id int64) (story, error) {
 	if err != nil {
 		return st, err
 	}
-	if len(sts) != 3 {
-		return st, fmt.Errorf("runbook %s: %d statements, want 3", file, len(sts))
+	if len(sts) != 4 {
+		return st, fmt.Errorf("runbook %s: %d statements, want 4", file, len(sts))
 	}
 	rows, err := collectStatement[messageRow](ctx, q, sts[0])
 	if err != nil {
 		return st, explainDBError(file, err)
 	}
-	if len(rows) == 0 {
-		return st, fmt.Errorf("no message with id %d", id)
+	if len(rows) > 0 {
+		st.Message = &rows[0]
 	}
-	st.Message = rows[0]
 	if st.Headers, err = collectStatement[headerRow](ctx, q, sts[1]); err != nil {
 		return st, explainDBError(file, err)
 	}
 	if st.Lineage, err = collectStatement[lineageRow](ctx, q, sts[2]); err != nil {
 		return st, explainDBError(file, err)
 	}
+	if st.History, err = collectStatement[historyRow](ctx, q, sts[3]); err != nil {
+		return st, explainDBError(file, err)
+	}
+	if st.Message == nil && len(st.History) == 0 {
+		return st, fmt.Errorf("no message with id %d, and no history of one", id)
+	}
 	return st, nil
 }
 
 // preview cuts the key, header values and value to their first n bytes.
 func (st *story) preview(n int) {
-	m := &st.Message
+	m := st.Message
+	if m == nil {
+		return
+	}
 	m.Key, m.KeyTruncated = previewOf(m.Key, m.KeyEncoding, n)
 	m.Value, m.ValueTruncated = previewOf(m.Value, m.ValueEncoding, n)
 	for i := range st.Headers {
@@ -378,9 +425,14 @@ func (st *story) preview(n int) {
 }
 
 func (st story) print(w io.Writer, now time.Time) {
-	m := st.Message
+	m := *st.Message
 	var where string
 	switch {
+	case m.State == "parked" && m.HoldsKey:
+		n := deref(m.WaitingBehind)
+		where = fmt.Sprintf("parked, holding its key: %d pending message%s of the key wait behind it", n, plural(n, "", "s"))
+	case m.State == "parked" && m.BusinessKey != nil && !m.ParkHoldsKey:
+		where = "parked, its key goes on without it"
 	case m.State != "pending":
 		where = m.State
 	case m.BusinessKey == nil:
@@ -416,6 +468,20 @@ func (st story) print(w io.Writer, now time.Time) {
 	field("read from", source)
 	field("created at", formatTime(m.CreatedAt))
 	field("updated at", formatTime(m.UpdatedAt))
+	if m.ParkedAt != nil {
+		field("parked at", formatTime(*m.ParkedAt))
+	}
+	if m.DLQTopic != nil {
+		dlq := printable(*m.DLQTopic, false)
+		switch {
+		case m.DLQPublishedAt != nil:
+			dlq += ", copy sent at " + formatTime(*m.DLQPublishedAt)
+		case m.State == "parked":
+			dlq += ", copy not sent yet"
+		}
+		field("dead letter", dlq)
+	}
+	field("replayed", fmt.Sprintf("%d time%s", m.RedriveCount, plural(m.RedriveCount, "", "s")))
 	t.flush()
 
 	if m.Key == nil {
@@ -455,6 +521,36 @@ func (st story) print(w io.Writer, now time.Time) {
 		}
 		t.flush()
 	}
+	printHistory(w, st.History)
+}
+
+// printGone prints the story of a message that is no longer in the table:
+// its history.
+func (st story) printGone(w io.Writer, id int64) {
+	fmt.Fprintf(w, "Message %d: gone (delivered, or cancelled); its history remains\n", id)
+	printHistory(w, st.History)
+}
+
+func printHistory(w io.Writer, h []historyRow) {
+	if len(h) == 0 {
+		fmt.Fprintln(w, "History: none (pruned, or recorded before history was kept)")
+		return
+	}
+	fmt.Fprintf(w, "History of lineage %d:\n", h[0].LineageID)
+	t := newTable(w, "  RECORDED AT", "MESSAGE", "EVENT", "ATTEMPT", "TARGET", "DUE", "REASON", "ERROR")
+	for _, r := range h {
+		errText := "-"
+		if r.ErrorClass != nil || r.ErrorMessage != nil {
+			errText = orDash(r.ErrorClass)
+			if r.ErrorMessage != nil {
+				errText += ": " + *r.ErrorMessage
+			}
+		}
+		t.row("  "+formatTime(r.RecordedAt), strconv.FormatInt(r.MessageID, 10), r.Event, strconv.Itoa(int(r.Attempt)),
+			printable(orDash(r.TargetTopic), false), formatTimePtr(r.NextRunAt), printable(orDash(r.Reason), false),
+			printable(errText, false))
+	}
+	t.flush()
 }
 
 func truncatedNote(truncated bool) string {
@@ -476,7 +572,9 @@ after failed publishes keeps its back-off. Give exactly one of:
   --target  the waiting messages for one target topic (expedite_target.sql)
 
 A key or target without pending messages is an error; one whose pending
-messages are all due already has nothing to expedite, which is not.
+messages are all due already has nothing to expedite, which is not. A key
+held by a parked message stays held ("scheduler held"): replay or cancel the
+parked message to let the rest go.
 `
 
 // cmdExpedite implements `scheduler expedite`.
@@ -588,20 +686,23 @@ func cmdCancel(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 	return o.exit(o.printChanged("cancelled", changed, ""))
 }
 
-const parkHelp = `Usage: scheduler park --reason TEXT [--json] ID...
+const parkHelp = `Usage: scheduler park --reason TEXT [--release-key] [--json] ID...
 
 Parks the given pending messages: state 'parked' with the reason
-"parked by operator: TEXT", and prints them. A parked message is never sent
-and releases its key: the rest of the key goes on without it. Ids are
-arguments, or separated by commas. If any of them does not exist or is not
-pending, nothing changes. It runs the runbook file park_id.sql; the runbook
-file replay_parked.sql sends a target's parked messages again.
+"parked by operator: TEXT", and prints them. A parked message is never sent.
+Whether it holds its business key follows its target's retry policy (the
+default holds): the later messages of the key wait behind it until it is
+replayed or cancelled. --release-key lets the rest of the key go on without
+it. Ids are arguments, or separated by commas. If any of them does not exist
+or is not pending, nothing changes. It runs the runbook file park_id.sql;
+"scheduler replay --id ID" sends a parked message again.
 `
 
 // cmdPark implements `scheduler park`.
 func cmdPark(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	o, fs := newOps("park", args, stdout, stderr)
 	reason := fs.String("reason", "", `why, recorded as the reason "parked by operator: TEXT" (required)`)
+	release := fs.Bool("release-key", false, "let the later messages of the key go on without the parked one")
 	pos, done, code := o.parse(fs, args, parkHelp)
 	if done {
 		return code
@@ -618,7 +719,8 @@ func cmdPark(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 	}
 	var changed []opsMessage
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		changed, err = changeIDs(ctx, conn, "park_id.sql", ids, map[string]string{"why": *reason}, "only pending messages can be parked")
+		vars := map[string]string{"why": *reason, "release": strconv.FormatBool(*release)}
+		changed, err = changeIDs(ctx, conn, "park_id.sql", ids, vars, "only pending messages can be parked")
 		return err
 	})
 	if err != nil {

@@ -46,6 +46,7 @@ type (
 			TargetTopic string `json:"target_topic"`
 		} `json:"oldest_due"`
 		HeldKeys         int `json:"held_keys"`
+		ParkedKeys       int `json:"parked_keys"`
 		BackingOffKeys   int `json:"backing_off_keys"`
 		RejectedLastHour int `json:"rejected_last_hour"`
 		RejectedReasons  []struct {
@@ -58,6 +59,11 @@ type (
 			jsonMessage
 			ErrorClass     *string `json:"error_class"`
 			IsHead         bool    `json:"is_head"`
+			HoldsKey       bool    `json:"holds_key"`
+			ParkHoldsKey   bool    `json:"park_holds_key"`
+			ParkedAt       *string `json:"parked_at"`
+			RedriveCount   int     `json:"redrive_count"`
+			WaitingBehind  *int    `json:"waiting_behind"`
 			PendingAhead   *int    `json:"pending_ahead"`
 			KeyEncoding    *string `json:"key_encoding"`
 			Key            *string `json:"key"`
@@ -76,6 +82,37 @@ type (
 			Relation string `json:"relation"`
 			jsonMessage
 		} `json:"lineage"`
+		History []jsonHistory `json:"history"`
+	}
+	jsonHistory struct {
+		LineageID    int64   `json:"lineage_id"`
+		MessageID    int64   `json:"message_id"`
+		Event        string  `json:"event"`
+		Attempt      int     `json:"attempt"`
+		Reason       *string `json:"reason"`
+		ErrorClass   *string `json:"error_class"`
+		ErrorMessage *string `json:"error_message"`
+	}
+	jsonHeld struct {
+		BusinessKey *string `json:"business_key"`
+		Kind        string  `json:"kind"`
+		HeadID      int64   `json:"head_id"`
+		NextRunAt   *string `json:"next_run_at"`
+		Reason      *string `json:"reason"`
+		ParkedAt    *string `json:"parked_at"`
+		Waiting     int     `json:"waiting"`
+	}
+	jsonTarget struct {
+		TargetTopic string   `json:"target_topic"`
+		Paused      bool     `json:"paused"`
+		RateLimit   *float64 `json:"rate_limit"`
+		Note        *string  `json:"note"`
+		UpdatedAt   string   `json:"updated_at"`
+	}
+	jsonTargetChange struct {
+		Changed bool       `json:"changed"`
+		Target  jsonTarget `json:"target"`
+		Note    string     `json:"note"`
 	}
 )
 
@@ -139,7 +176,7 @@ func TestOpsCommands(t *testing.T) {
 				"  -               rejected  2         0    -", "  orders.retry    pending   5         2    ",
 				"  payments.retry  parked    2         0    -",
 				"Lateness: 2m", "message 101 (key order-1, target orders.retry)", "; 2 key heads due\n",
-				"Held keys: 2, 1 backing off after failed publishes",
+				"Held keys: 3, 1 by a parked message, 1 backing off after failed publishes (scheduler held lists them)\n",
 				"Rejected in the last hour: 2 (invalid_delay 1, missing_target 1)\n",
 			},
 		},
@@ -148,7 +185,7 @@ func TestOpsCommands(t *testing.T) {
 			json: func(t *testing.T, out string) {
 				s := decode[jsonStatus](t, out)
 				if len(s.Backlog) != 5 || s.DueHeads != 2 || s.LatenessSeconds < 119 || s.OldestDue == nil ||
-					s.OldestDue.ID != 101 || s.OldestDue.BusinessKey != "order-1" || s.HeldKeys != 2 || s.BackingOffKeys != 1 ||
+					s.OldestDue.ID != 101 || s.OldestDue.BusinessKey != "order-1" || s.HeldKeys != 3 || s.ParkedKeys != 1 || s.BackingOffKeys != 1 ||
 					s.RejectedLastHour != 2 || len(s.RejectedReasons) != 2 {
 					t.Errorf("status: %+v", s)
 				}
@@ -264,8 +301,80 @@ func TestOpsCommands(t *testing.T) {
 			name: "show rejected", args: []string{"show", "106"},
 			stdout: []string{"Message 106: rejected\n", "  reason        missing_target: no defer.target header\n", "Key: none\n", "Value: none (null)\n", "Lineage: none\n"},
 		},
-		{name: "show unknown id", args: []string{"show", "999"}, code: 1, stderr: []string{"scheduler show: no message with id 999\n"}},
-		{name: "show unknown id --json", args: []string{"show", "999", "--json"}, code: 1, stderr: []string{`{"error":"no message with id 999"}`}},
+		{
+			name: "show a parked message holding its key", args: []string{"show", "104"},
+			stdout: []string{
+				"Message 104: parked, holding its key: 0 pending messages of the key wait behind it\n", "  parked at     ",
+				"  replayed      0 times\n", "History of lineage 104:\n",
+				"  RECORDED AT", "MESSAGE  EVENT   ATTEMPT  TARGET          DUE", "  104      parked  1        payments.retry  ",
+				"  unknown_topic: no such topic  -\n",
+			},
+		},
+		{
+			name: "show a parked message that released its key", args: []string{"show", "105", "--json"},
+			json: func(t *testing.T, out string) {
+				s := decode[jsonStory](t, out)
+				m := s.Message
+				if m.State != "parked" || m.HoldsKey || m.ParkHoldsKey || m.ParkedAt == nil || m.IsHead || len(s.History) != 1 ||
+					s.History[0].Event != "parked" || *s.History[0].Reason != "not_authorized: topic ACL" {
+					t.Errorf("show: %+v", s)
+				}
+			},
+		},
+		{
+			name: "show the history of a lineage", args: []string{"show", "102", "--json"},
+			json: func(t *testing.T, out string) {
+				h := decode[jsonStory](t, out).History
+				if len(h) != 2 || h[0].LineageID != 101 || h[0].MessageID != 101 || h[0].Event != "deferred" || h[0].Attempt != 2 ||
+					*h[0].ErrorClass != "ProviderTimeout" || *h[0].ErrorMessage != "upstream 504" || h[1].MessageID != 102 || h[1].LineageID != 101 {
+					t.Errorf("history: %+v", h)
+				}
+			},
+		},
+		{
+			name: "show a gone message", args: []string{"show", "112"},
+			stdout: []string{"Message 112: gone (delivered, or cancelled); its history remains\n", "History of lineage 112:\n", "  112      deferred  0 "},
+		},
+		{
+			name: "show a gone message --json", args: []string{"show", "112", "--json"},
+			json: func(t *testing.T, out string) {
+				if !strings.Contains(out, `"message": null`) {
+					t.Errorf("want message null:\n%s", out)
+				}
+				if h := decode[jsonStory](t, out).History; len(h) != 1 || h[0].MessageID != 112 {
+					t.Errorf("history: %+v", h)
+				}
+			},
+		},
+		{name: "show unknown id", args: []string{"show", "999"}, code: 1, stderr: []string{"scheduler show: no message with id 999, and no history of one\n"}},
+		{name: "show unknown id --json", args: []string{"show", "999", "--json"}, code: 1, stderr: []string{`{"error":"no message with id 999, and no history of one"}`}},
+
+		// held
+		{
+			name: "held", args: []string{"held"},
+			stdout: []string{
+				"Held by a parked message (replay or cancel it to release the key):\n",
+				"  KEY      HEAD  TARGET          WAITING  PARKED AT", "REASON\n", "  order-3  104   payments.retry  0        ",
+				"  unknown_topic: no such topic\n",
+				"\n\nBacking off after failed publishes (they retry by themselves):\n",
+				"  KEY     HEAD  TARGET        WAITING  FAILURES  RETRY      ERROR CLASS\n",
+				"  held-1  109   orders.retry  0        3         in ", "  BrokerDown\n",
+				"\n\nLeased by a dispatcher (publishing now):\n", "  leased-1  110   orders.retry  0        test-loop  ",
+			},
+			notStdout: []string{"order-4"},
+		},
+		{
+			name: "held --json", args: []string{"held", "--json"},
+			json: func(t *testing.T, out string) {
+				h := decode[[]jsonHeld](t, out)
+				if len(h) != 3 || h[0].Kind != "parked" || *h[0].BusinessKey != "order-3" || h[0].HeadID != 104 || h[0].NextRunAt != nil ||
+					h[0].ParkedAt == nil || *h[0].Reason != "unknown_topic: no such topic" ||
+					h[1].Kind != "backing_off" || h[1].NextRunAt == nil || h[2].Kind != "leased" || *h[2].BusinessKey != "leased-1" {
+					t.Errorf("held: %+v", h)
+				}
+			},
+		},
+		{name: "held with an argument", args: []string{"held", "order-3"}, code: 2, stderr: []string{`unexpected argument "order-3"`}},
 		{name: "show malformed id", args: []string{"show", "abc"}, code: 2, stderr: []string{`"abc" is not a message id`}},
 		{name: "show no id", args: []string{"show"}, code: 2, stderr: []string{"want one message id, got 0 arguments"}},
 		{name: "show two ids", args: []string{"show", "101", "102"}, code: 2, stderr: []string{"want one message id, got 2 arguments"}},
@@ -350,8 +459,15 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "park", args: []string{"park", "101", "--reason", "bad address, OPS-7"},
 			stdout: []string{"\n101  order-1  1    orders.retry  parked ", "parked by operator: bad address, OPS-7\n", "parked 1 message\n"},
+			// It holds its key, as its policy says (park_holds_key).
 			check: `SELECT (SELECT state = 'parked' AND reason = 'parked by operator: bad address, OPS-7' FROM deferred_message WHERE id = 101)
-			           AND (SELECT head_id = 102 FROM deferred_key WHERE business_key = 'order-1')`,
+			           AND (SELECT head_id = 101 AND held FROM deferred_key WHERE business_key = 'order-1')`,
+		},
+		{
+			name: "park --release-key", args: []string{"park", "101", "--reason", "poison", "--release-key"},
+			stdout: []string{"parked 1 message\n"},
+			check: `SELECT (SELECT state = 'parked' AND NOT park_holds_key FROM deferred_message WHERE id = 101)
+			           AND (SELECT head_id = 102 AND NOT held FROM deferred_key WHERE business_key = 'order-1')`,
 		},
 		{
 			name: "park --json", args: []string{"park", "--json", "--reason", "x", "103,110"},
@@ -378,7 +494,99 @@ func TestOpsCommands(t *testing.T) {
 		{name: "show -h", args: []string{"show", "-h"}, stdout: []string{"Usage: scheduler show", "-full", "-json"}},
 		{name: "expedite --help", args: []string{"expedite", "--help"}, stdout: []string{"Usage: scheduler expedite", "-id", "-key", "-target"}},
 		{name: "cancel --help", args: []string{"cancel", "--help"}, stdout: []string{"Usage: scheduler cancel"}},
-		{name: "park --help", args: []string{"park", "--help"}, stdout: []string{"Usage: scheduler park", "-reason"}},
+		{name: "park --help", args: []string{"park", "--help"}, stdout: []string{"Usage: scheduler park", "-reason", "-release-key"}},
+		{name: "held --help", args: []string{"held", "--help"}, stdout: []string{"Usage: scheduler held", "held_keys.sql"}},
+		{name: "replay --help", args: []string{"replay", "--help"}, stdout: []string{"Usage: scheduler replay", "-target", "-key", "-error-class",
+			"-reason", "-since", "-until", "-id", "-dry-run", "-rate", "-reset-attempts", "-yes", "-confirm-above", "(default 100)", "(default \"parked\")"}},
+		{name: "pause --help", args: []string{"pause", "--help"}, stdout: []string{"Usage: scheduler pause TARGET", "-note"}},
+		{name: "resume --help", args: []string{"resume", "--help"}, stdout: []string{"Usage: scheduler resume TARGET"}},
+		{name: "limit --help", args: []string{"limit", "--help"}, stdout: []string{"Usage: scheduler limit TARGET RATE", "scheduler limit TARGET off"}},
+		{name: "targets --help", args: []string{"targets", "--help"}, stdout: []string{"Usage: scheduler targets", "targets.sql"}},
+
+		// pause, resume, limit, targets
+		{
+			name: "targets", args: []string{"targets"},
+			stdout: []string{"TARGET       PAUSED  RATE LIMIT  UPDATED AT", "NOTE\n", "audit.retry  yes     -           ", "  seeded pause\n", "bulk.retry   no      25/s        "},
+		},
+		{
+			name: "targets --json", args: []string{"targets", "--json"},
+			json: func(t *testing.T, out string) {
+				ts := decode[[]jsonTarget](t, out)
+				if len(ts) != 2 || ts[0].TargetTopic != "audit.retry" || !ts[0].Paused || *ts[0].Note != "seeded pause" || ts[0].RateLimit != nil ||
+					ts[1].TargetTopic != "bulk.retry" || ts[1].Paused || *ts[1].RateLimit != 25 {
+					t.Errorf("targets: %+v", ts)
+				}
+			},
+		},
+		{name: "targets with an argument", args: []string{"targets", "x"}, code: 2, stderr: []string{`unexpected argument "x"`}},
+		{
+			name: "pause", args: []string{"pause", "orders.retry", "--note", "INC-42: provider down"},
+			stdout: []string{"orders.retry  yes     -   ", "INC-42: provider down\n", "paused orders.retry\n"},
+			check:  `SELECT paused AND note = 'INC-42: provider down' AND rate_limit IS NULL FROM target_control WHERE target_topic = 'orders.retry'`,
+		},
+		{
+			name: "pause again replaces the note, keeps the limit", args: []string{"pause", "--json", "bulk.retry"},
+			json: func(t *testing.T, out string) {
+				c := decode[jsonTargetChange](t, out)
+				if !c.Changed || !c.Target.Paused || c.Target.Note != nil || *c.Target.RateLimit != 25 || c.Note != "" {
+					t.Errorf("pause: %+v", c)
+				}
+			},
+			check: `SELECT paused AND rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{name: "pause without a target", args: []string{"pause", "--note", "x"}, code: 2, stderr: []string{"want a target topic"}},
+		{name: "pause an illegal topic", args: []string{"pause", "orders/retry"}, code: 2,
+			stderr: []string{`"orders/retry" is not a Kafka topic name`}, check: `SELECT count(*) = 2 FROM target_control`},
+		{name: "pause two targets", args: []string{"pause", "a", "b"}, code: 2, stderr: []string{`unexpected argument "b"`}},
+		{
+			name: "resume", args: []string{"resume", "audit.retry"},
+			stdout: []string{"audit.retry  no      -  ", "seeded pause\n", "resumed audit.retry\n"},
+			check:  `SELECT NOT paused FROM target_control WHERE target_topic = 'audit.retry'`,
+		},
+		{
+			name: "resume a target that is not paused", args: []string{"resume", "bulk.retry", "--json"},
+			json: func(t *testing.T, out string) {
+				c := decode[jsonTargetChange](t, out)
+				if c.Changed || c.Target.TargetTopic != "bulk.retry" || c.Note != "target bulk.retry is not paused; nothing changed" {
+					t.Errorf("resume: %+v", c)
+				}
+			},
+		},
+		{name: "resume an unknown target", args: []string{"resume", "orders.retyr"}, code: 1,
+			stderr: []string{"target orders.retyr has no controls (it was never paused or limited); nothing changed"},
+			check:  `SELECT count(*) = 2 FROM target_control`},
+		{name: "resume without a target", args: []string{"resume"}, code: 2, stderr: []string{"want a target topic"}},
+		{
+			name: "limit", args: []string{"limit", "orders.retry", "12.5"},
+			stdout: []string{"orders.retry  no      12.5/s", "limited orders.retry\n"},
+			check:  `SELECT rate_limit = 12.5 AND NOT paused FROM target_control WHERE target_topic = 'orders.retry'`,
+		},
+		{
+			name: "limit --json", args: []string{"limit", "--json", "audit.retry", "1e2"},
+			json: func(t *testing.T, out string) {
+				c := decode[jsonTargetChange](t, out)
+				if !c.Changed || *c.Target.RateLimit != 100 || !c.Target.Paused {
+					t.Errorf("limit: %+v", c)
+				}
+			},
+		},
+		{
+			name: "limit off", args: []string{"limit", "bulk.retry", "off"},
+			stdout: []string{"bulk.retry  no      -  ", "unlimited bulk.retry\n"},
+			check:  `SELECT rate_limit IS NULL FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{name: "limit off without a limit", args: []string{"limit", "audit.retry", "OFF"}, stdout: []string{"target audit.retry is not rate limited; nothing changed\n"}},
+		{name: "limit off an unknown target", args: []string{"limit", "nope.retry", "off"}, code: 1, stderr: []string{"target nope.retry has no controls"}},
+		{name: "limit zero", args: []string{"limit", "bulk.retry", "0"}, code: 2, stderr: []string{"rate 0: want messages per second > 0"},
+			check: `SELECT rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`},
+		{name: "limit negative", args: []string{"limit", "bulk.retry", "-5"}, code: 2, stderr: []string{"rate -5: want messages per second > 0"},
+			check: `SELECT rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`},
+		{name: "limit not a number", args: []string{"limit", "bulk.retry", "fast"}, code: 2, stderr: []string{`rate "fast" is not a number`}},
+		{name: "limit infinite", args: []string{"limit", "bulk.retry", "Inf"}, code: 2, stderr: []string{`rate "Inf" is not a number`}},
+		{name: "limit without a rate", args: []string{"limit", "bulk.retry"}, code: 2, stderr: []string{`want a target topic and a rate (messages per second, or off), got only "bulk.retry"`}},
+		{name: "limit without anything", args: []string{"limit"}, code: 2, stderr: []string{"want a target topic and a rate"}},
+		{name: "limit an illegal topic", args: []string{"limit", "a b", "5"}, code: 2, stderr: []string{`"a b" is not a Kafka topic name`},
+			check: `SELECT count(*) = 2 FROM target_control`},
 
 		// configuration and a database that is down
 		{name: "no DATABASE_URL", args: []string{"status"}, env: []string{}, code: 2, stderr: []string{"DATABASE_URL is not set"}},
@@ -396,6 +604,10 @@ func TestOpsCommands(t *testing.T) {
 		{name: "database down: expedite", args: []string{"expedite", "--key", "k"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: cancel --json", args: []string{"cancel", "1", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database`}},
 		{name: "database down: park", args: []string{"park", "1", "--reason", "x"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: held", args: []string{"held"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: replay", args: []string{"replay", "--id", "1"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: pause", args: []string{"pause", "t"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: targets --json", args: []string{"targets", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database`}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -27,52 +27,62 @@ const runbookDir = repoRoot + "/sql/runbook"
 //	                             (binary, non-ASCII, and one that would clear a terminal)
 //	102 order-1  orders.retry    pending, due in an hour, re-defers 101, 300-byte value
 //	103 order-2  payments.retry  pending, due in an hour, binary key and value
-//	104 order-3  payments.retry  parked, unknown_topic
-//	105 order-4  payments.retry  parked, not_authorized
+//	104 order-3  payments.retry  parked 10 minutes ago, unknown_topic, holds its key
+//	105 order-4  payments.retry  parked 5 minutes ago, not_authorized, released its key
 //	106 -        -               rejected now, missing_target
 //	107 -        orders.retry    rejected now, invalid_delay
 //	108 -        -               rejected 2 hours ago, missing_target
 //	109 held-1   orders.retry    pending, due a minute ago, key backing off after 3 failures
 //	110 leased-1 orders.retry    pending, due in 10 minutes, key leased by test-loop
 //	111 (none)   orders.retry    pending, unordered, due in 30 minutes
+//	112 order-9  orders.retry    gone (delivered): only its history remains
+//
+// and per-target controls: audit.retry paused ("seeded pause"), bulk.retry
+// limited to 25 messages per second with 25 tokens saved up.
 func seedOps(t *testing.T, pool *pgxpool.Pool) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	const seed = `
 INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at, state, reason, attempt,
-                              error_class, error_message, origin_id, created_at, key, value, header_keys, header_values)
+                              error_class, error_message, origin_id, created_at, key, value, header_keys, header_values,
+                              park_holds_key, parked_at)
 VALUES
  (101, 'order-1', 1, 'orders.retry', now() - interval '2 minutes', 'pending', NULL, 2,
   'ProviderTimeout', 'upstream 504', NULL, now(), 'order-1', '{"order":1}',
   '{defer.target,trace,bin,note,evil}',
-  ARRAY['orders.retry'::bytea, 'abc'::bytea, '\x00ff'::bytea, convert_to('café', 'UTF8'), '\x1b5b324a'::bytea]),
+  ARRAY['orders.retry'::bytea, 'abc'::bytea, '\x00ff'::bytea, convert_to('café', 'UTF8'), '\x1b5b324a'::bytea], true, NULL),
  (102, 'order-1', 2, 'orders.retry', now() + interval '1 hour', 'pending', NULL, 3,
-  NULL, NULL, 101, now(), 'order-1', convert_to(repeat('é', 150), 'UTF8'), '{}', '{}'),
+  NULL, NULL, 101, now(), 'order-1', convert_to(repeat('é', 150), 'UTF8'), '{}', '{}', true, NULL),
  (103, 'order-2', 3, 'payments.retry', now() + interval '1 hour', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), '\xff00', '\xdeadbeef', '{}', '{}'),
+  NULL, NULL, NULL, now(), '\xff00', '\xdeadbeef', '{}', '{}', true, NULL),
  (104, 'order-3', 4, 'payments.retry', now() - interval '5 minutes', 'parked', 'unknown_topic: no such topic', 1,
-  NULL, NULL, NULL, now(), NULL, 'x', '{}', '{}'),
+  NULL, NULL, NULL, now(), NULL, 'x', '{}', '{}', true, now() - interval '10 minutes'),
  (105, 'order-4', 5, 'payments.retry', now() - interval '5 minutes', 'parked', 'not_authorized: topic ACL', 1,
-  NULL, NULL, NULL, now(), NULL, 'y', '{}', '{}'),
+  NULL, NULL, NULL, now(), NULL, 'y', '{}', '{}', false, now() - interval '5 minutes'),
  (106, NULL, 6, NULL, now(), 'rejected', 'missing_target: no defer.target header', 0,
-  NULL, NULL, NULL, now(), NULL, NULL, '{}', '{}'),
+  NULL, NULL, NULL, now(), NULL, NULL, '{}', '{}', true, NULL),
  (107, NULL, 7, 'orders.retry', now(), 'rejected', 'invalid_delay: "soon" is not a duration', 0,
-  NULL, NULL, NULL, now(), NULL, NULL, '{}', '{}'),
+  NULL, NULL, NULL, now(), NULL, NULL, '{}', '{}', true, NULL),
  (108, NULL, 8, NULL, now(), 'rejected', 'missing_target: no defer.target header', 0,
-  NULL, NULL, NULL, now() - interval '2 hours', NULL, NULL, '{}', '{}'),
+  NULL, NULL, NULL, now() - interval '2 hours', NULL, NULL, '{}', '{}', true, NULL),
  (109, 'held-1', 9, 'orders.retry', now() - interval '1 minute', 'pending', NULL, 0,
-  'BrokerDown', NULL, NULL, now(), 'held-1', 'h', '{}', '{}'),
+  'BrokerDown', NULL, NULL, now(), 'held-1', 'h', '{}', '{}', true, NULL),
  (110, 'leased-1', 10, 'orders.retry', now() + interval '10 minutes', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), 'leased-1', 'l', '{}', '{}'),
+  NULL, NULL, NULL, now(), 'leased-1', 'l', '{}', '{}', true, NULL),
  (111, NULL, 11, 'orders.retry', now() + interval '30 minutes', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), NULL, 'u', '{}', '{}')`
+  NULL, NULL, NULL, now(), NULL, 'u', '{}', '{}', true, NULL),
+ (112, 'order-9', 12, 'orders.retry', now() - interval '1 hour', 'pending', NULL, 0,
+  NULL, NULL, NULL, now(), NULL, 'z', '{}', '{}', true, NULL)`
 	for _, q := range []string{
 		seed,
 		// deferred_key is the triggers' to keep; a test may play dispatcher.
 		`UPDATE deferred_key SET failures = 3, leased_until = now() + interval '1 hour' WHERE business_key = 'held-1'`,
 		`UPDATE deferred_key SET leased_until = now() + interval '1 minute', leased_by = 'test-loop' WHERE business_key = 'leased-1'`,
-		`INSERT INTO target_control (target_topic, paused, note) VALUES ('audit.retry', true, 'seeded pause')`,
+		// The dispatcher deletes what it delivered; the history stays.
+		`DELETE FROM deferred_message WHERE id = 112`,
+		`INSERT INTO target_control (target_topic, paused, note, rate_limit, tokens)
+		 VALUES ('audit.retry', true, 'seeded pause', NULL, 0), ('bulk.retry', false, NULL, 25, 25)`,
 	} {
 		if _, err := pool.Exec(ctx, q); err != nil {
 			t.Fatalf("seed: %v\n%s", err, q)
@@ -115,8 +125,10 @@ func TestRunbook(t *testing.T) {
 		name string
 		file string
 		vars map[string]string
-		// lines is how many lines the output has; want are substrings of
-		// it, and wantNot must not appear.
+		// setup runs after the seed.
+		setup string
+		// lines is how many lines the output has (0: none); want are
+		// substrings of it, and wantNot must not appear.
 		lines         int
 		want, wantNot []string
 		// check is a query returning true when the file had its effect.
@@ -144,14 +156,25 @@ func TestRunbook(t *testing.T) {
 			want: []string{"2|101|order-1|orders.retry|"},
 		},
 		{
-			name: "held keys", file: "held_keys.sql", lines: 2,
+			name: "held keys", file: "held_keys.sql", lines: 3,
 			want: []string{
-				"held-1|backing off after 3 failed publish(es)|3|", "|109|9|orders.retry|",
-				"leased-1|leased by test-loop|0|", "|test-loop|110|10|orders.retry|",
+				// The parked head first; its due time is empty, not infinity.
+				"order-3|parked|held by parked message 104|0|||104|4|payments.retry||1||unknown_topic: no such topic|",
+				"held-1|backing_off|backing off after 3 failed publish(es)|3|", "|109|9|orders.retry|",
+				"leased-1|leased|leased by test-loop|0|", "|test-loop|110|10|orders.retry|",
 			},
+			wantNot: []string{"order-4|"}, // 105 released its key
 		},
 		{
-			name: "show a message", file: "show_message.sql", vars: map[string]string{"id": "101"},
+			name: "held keys count what waits", file: "held_keys.sql", lines: 3,
+			setup: `INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at) VALUES
+			        (120, 'order-3', 20, 'payments.retry', now()), (121, 'order-3', 21, 'payments.retry', now() + interval '1 day'),
+			        (122, 'held-1', 22, 'orders.retry', now())`,
+			want: []string{"|payments.retry||1||unknown_topic: no such topic|", "|2\n", "|1\n", "|0\n"},
+		},
+		{
+			// The row, 5 headers, 1 re-deferral, 2 history rows (101's and 102's).
+			name: "show a message", file: "show_message.sql", vars: map[string]string{"id": "101"}, lines: 9,
 			want: []string{
 				"101|order-1|1|orders.retry|pending|", "|2||ProviderTimeout|upstream 504|",
 				"|t|0|text|order-1|11|text|{\"order\":1}\n", // head, none ahead, key and value as text
@@ -160,12 +183,20 @@ func TestRunbook(t *testing.T) {
 			},
 		},
 		{
-			name: "show a re-deferral and its origin", file: "show_message.sql", vars: map[string]string{"id": "102"},
+			name: "show a re-deferral and its origin", file: "show_message.sql", vars: map[string]string{"id": "102"}, lines: 4,
 			want: []string{"102|order-1|2|orders.retry|pending|", "|f|1|text|order-1|300|text|éé", "origin|101|order-1|1|orders.retry|pending|"},
 		},
 		{
-			name: "show binary key and value", file: "show_message.sql", vars: map[string]string{"id": "103"}, lines: 1,
-			want: []string{"|hex|\\xff00|4|hex|\\xdeadbeef"},
+			name: "show binary key and value", file: "show_message.sql", vars: map[string]string{"id": "103"}, lines: 2,
+			want: []string{"|hex|\\xff00|4|hex|\\xdeadbeef", "103|103|"}, // the row, and its history
+		},
+		{
+			name: "show a parked message holding its key", file: "show_message.sql", vars: map[string]string{"id": "104"}, lines: 2,
+			want: []string{"|t|||0|t|0|t||", "104|104|", "|parked|1|unknown_topic: no such topic|"},
+		},
+		{
+			name: "show a gone message: its history", file: "show_message.sql", vars: map[string]string{"id": "112"}, lines: 1,
+			want: []string{"112|112|", "|deferred|0||||orders.retry|"},
 		},
 		{
 			name: "list by target, state and reason", file: "list.sql", lines: 1,
@@ -211,27 +242,125 @@ func TestRunbook(t *testing.T) {
 			check: `SELECT head_id = 102 FROM deferred_key WHERE business_key = 'order-1'`,
 		},
 		{
-			name: "park", file: "park_id.sql", vars: map[string]string{"ids": "101,105", "why": "it's broken, ticket OPS-7"}, lines: 1,
+			name: "park holding the key", file: "park_id.sql", vars: map[string]string{"ids": "101,105", "why": "it's broken, ticket OPS-7", "release": "false"}, lines: 1,
 			want: []string{"101|order-1|1|orders.retry|parked|", "|parked by operator: it's broken, ticket OPS-7"},
-			check: `SELECT (SELECT head_id = 102 FROM deferred_key WHERE business_key = 'order-1')
-			           AND (SELECT reason = 'not_authorized: topic ACL' FROM deferred_message WHERE id = 105)`,
+			check: `SELECT (SELECT head_id = 101 AND held AND next_run_at = 'infinity' FROM deferred_key WHERE business_key = 'order-1')
+			           AND (SELECT reason = 'not_authorized: topic ACL' FROM deferred_message WHERE id = 105)
+			           AND (SELECT parked_at IS NOT NULL FROM deferred_message WHERE id = 101)`,
+		},
+		{
+			name: "park releasing the key", file: "park_id.sql", vars: map[string]string{"ids": "101", "why": "poison", "release": "true"}, lines: 1,
+			want: []string{"101|order-1|1|orders.retry|parked|", "|parked by operator: poison"},
+			check: `SELECT (SELECT head_id = 102 AND NOT held FROM deferred_key WHERE business_key = 'order-1')
+			           AND (SELECT NOT park_holds_key FROM deferred_message WHERE id = 101)`,
 		},
 		{
 			name: "replay parked", file: "replay_parked.sql", vars: map[string]string{"target": "payments.retry"}, lines: 2,
 			want: []string{"104|order-3|4|payments.retry|pending|", "105|order-4|5|payments.retry|pending|"},
 			check: `SELECT (SELECT count(*) = 2 FROM deferred_message
-			                WHERE id IN (104, 105) AND state = 'pending' AND reason IS NULL AND next_run_at <= now())
-			           AND (SELECT count(*) = 2 FROM deferred_key WHERE business_key IN ('order-3', 'order-4') AND next_run_at <= now())`,
+			                WHERE id IN (104, 105) AND state = 'pending' AND reason IS NULL AND next_run_at <= now()
+			                  AND redrive_count = 1 AND parked_at IS NULL)
+			           AND (SELECT count(*) = 2 FROM deferred_key WHERE business_key IN ('order-3', 'order-4') AND next_run_at <= now() AND NOT held)
+			           AND (SELECT count(*) = 2 FROM deferred_attempt WHERE message_id IN (104, 105) AND event = 'replayed')`,
+		},
+		{
+			name: "replay preview", file: "replay_preview.sql", lines: 2,
+			vars: replayVars(map[string]string{"target": "payments.%"}),
+			// Oldest parked first; 104 holds its key, 105 does not.
+			want:  []string{"104|order-3|4|payments.retry|parked|unknown_topic: no such topic||1|0|", "|t|t\n105|order-4|", "|f|t\n"},
+			check: `SELECT count(*) = 2 FROM deferred_message WHERE state = 'parked'`,
+		},
+		{
+			name: "replay preview by reason code and time", file: "replay_preview.sql", lines: 1,
+			vars: replayVars(map[string]string{"reason": "not_authorized", "since": "2000-01-01T00:00:00Z"}),
+			want: []string{"105|order-4|"},
+		},
+		{
+			name: "replay preview of rejected records", file: "replay_preview.sql", lines: 2,
+			vars: replayVars(map[string]string{"state": "rejected", "ids": "106,107,999"}),
+			// 106 named no target: it cannot be replayed.
+			want: []string{"106||6||rejected|missing_target: no defer.target header|", "|f|f\n107||7|orders.retry|rejected|", "|f|t\n"},
+		},
+		{
+			name: "replay at a rate", file: "replay.sql", lines: 2,
+			vars: replayVars(map[string]string{"target": "payments.%", "rate": "4", "reset_attempts": "true"}),
+			want: []string{"104|order-3|4|payments.retry|pending|", "|0||1\n", "105|order-4|5|payments.retry|pending|"},
+			check: `SELECT (SELECT (b.next_run_at - a.next_run_at) = interval '250 milliseconds'
+			                FROM deferred_message a, deferred_message b WHERE a.id = 104 AND b.id = 105)
+			           AND (SELECT count(*) = 2 FROM deferred_message WHERE id IN (104, 105) AND attempt = 0 AND redrive_count = 1)
+			           AND (SELECT head_id = 104 AND NOT held FROM deferred_key WHERE business_key = 'order-3')`,
+		},
+		{
+			name: "replay with no filter moves nothing", file: "replay.sql", lines: 0,
+			vars:  replayVars(map[string]string{"rate": "", "reset_attempts": "false"}),
+			check: `SELECT count(*) = 2 FROM deferred_message WHERE state = 'parked'`,
+		},
+		{
+			name: "replay a rejected record with a target", file: "replay.sql", lines: 1,
+			vars:  replayVars(map[string]string{"state": "rejected", "ids": "106,107", "rate": "", "reset_attempts": "false"}),
+			want:  []string{"107||7|orders.retry|pending|"},
+			check: `SELECT (SELECT state = 'rejected' FROM deferred_message WHERE id = 106) AND (SELECT state = 'pending' FROM deferred_message WHERE id = 107)`,
+		},
+		{
+			name: "parked summary", file: "parked_summary.sql", lines: 2,
+			want: []string{"payments.retry|not_authorized|1|0|0|", "payments.retry|unknown_topic|1|1|0|"},
+		},
+		{
+			name: "history of a re-deferral is its lineage's", file: "history.sql", vars: map[string]string{"id": "102"}, lines: 2,
+			want: []string{"101|101|", "|deferred|2||ProviderTimeout|upstream 504|orders.retry|", "101|102|", "|deferred|3|"},
+		},
+		{
+			name: "history of a gone message", file: "history.sql", vars: map[string]string{"id": "112"}, lines: 1,
+			want: []string{"112|112|"},
+		},
+		{
+			name: "history of nothing", file: "history.sql", vars: map[string]string{"id": "999"}, lines: 0,
+		},
+		{
+			name: "targets", file: "targets.sql", lines: 2,
+			want: []string{"audit.retry|t||seeded pause|", "bulk.retry|f|25||"},
+		},
+		{
+			name: "limit a new target", file: "limit_target.sql", vars: map[string]string{"target": "orders.retry", "rate": "0.5"}, lines: 1,
+			want:  []string{"orders.retry|f|0.5||"},
+			check: `SELECT rate_limit = 0.5 AND NOT paused FROM target_control WHERE target_topic = 'orders.retry'`,
+		},
+		{
+			name: "lower a limit: saved tokens go too", file: "limit_target.sql", vars: map[string]string{"target": "bulk.retry", "rate": "5"}, lines: 1,
+			want:  []string{"bulk.retry|f|5||"},
+			check: `SELECT rate_limit = 5 AND tokens = 5 FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{
+			name: "limit a paused target keeps the pause", file: "limit_target.sql", vars: map[string]string{"target": "audit.retry", "rate": "100"}, lines: 1,
+			want: []string{"audit.retry|t|100|seeded pause|"},
+		},
+		{
+			name: "unlimit", file: "unlimit_target.sql", vars: map[string]string{"target": "bulk.retry"}, lines: 1,
+			want:  []string{"bulk.retry|f||"},
+			check: `SELECT rate_limit IS NULL FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{
+			name: "unlimit a target without a limit", file: "unlimit_target.sql", vars: map[string]string{"target": "audit.retry"}, lines: 0,
+			check: `SELECT paused FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
 			name: "pause a target", file: "pause_target.sql", vars: map[string]string{"target": "orders.retry", "note": "INC-42"}, lines: 1,
-			want:  []string{"orders.retry|t|INC-42|"},
+			want:  []string{"orders.retry|t||INC-42|"},
 			check: `SELECT paused AND note = 'INC-42' FROM target_control WHERE target_topic = 'orders.retry'`,
 		},
 		{
 			name: "resume a paused target", file: "resume_target.sql", vars: map[string]string{"target": "audit.retry"}, lines: 1,
-			want:  []string{"audit.retry|f|seeded pause|"},
+			want:  []string{"audit.retry|f||seeded pause|"},
 			check: `SELECT NOT paused FROM target_control WHERE target_topic = 'audit.retry'`,
+		},
+		{
+			name: "resume a target that is not paused", file: "resume_target.sql", vars: map[string]string{"target": "bulk.retry"}, lines: 0,
+			check: `SELECT NOT paused AND rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{
+			name: "pause without a note", file: "pause_target.sql", vars: map[string]string{"target": "audit.retry", "note": ""}, lines: 1,
+			want:  []string{"audit.retry|t|||"},
+			check: `SELECT paused AND note IS NULL FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
 			name: "rejected in the last hour", file: "rejected_recent.sql", vars: map[string]string{"window": "1 hour"}, lines: 2,
@@ -266,11 +395,16 @@ func TestRunbook(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			db := pgtest.NewDB(t)
 			seedOps(t, db.Pool)
+			if tt.setup != "" {
+				if _, err := db.Pool.Exec(context.Background(), tt.setup); err != nil {
+					t.Fatalf("setup: %v", err)
+				}
+			}
 			out, err := psqlRun(t, db.URL, tt.file, tt.vars)
 			if err != nil {
 				t.Fatalf("psql -f %s: %v\n%s", tt.file, err, out)
 			}
-			if got := strings.Count(out, "\n"); tt.lines > 0 && got != tt.lines {
+			if got := strings.Count(out, "\n"); got != tt.lines {
 				t.Errorf("%d lines, want %d:\n%s", got, tt.lines, out)
 			}
 			for _, w := range tt.want {
@@ -359,9 +493,20 @@ func TestRunbookREADME(t *testing.T) {
 			t.Errorf("README.md, Operating it: no row with an example for %s", name)
 		}
 	}
-	for _, cmd := range []string{"status", "ls", "show", "expedite", "cancel", "park"} {
+	for _, cmd := range []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "targets"} {
 		if !strings.Contains(section, "\nscheduler "+cmd+" ") {
 			t.Errorf("README.md, Operating it: no example of scheduler %s", cmd)
 		}
 	}
+}
+
+// replayVars are the variables of replay_preview.sql (and, with rate and
+// reset_attempts in set, replay.sql): set, over empty filters and state
+// parked.
+func replayVars(set map[string]string) map[string]string {
+	vars := map[string]string{"state": "parked", "ids": "", "target": "", "key": "", "error_class": "", "reason": "", "since": "", "until": ""}
+	for k, v := range set {
+		vars[k] = v
+	}
+	return vars
 }

@@ -11,6 +11,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -41,6 +42,14 @@ type service struct {
 	registry *prometheus.Registry
 	metrics  *metrics.Metrics
 	brokers  *brokerCheck
+	// httpErr receives what the HTTP server's Serve returns.
+	httpErr chan error
+	// connected is set once the Kafka clients, ingest and dispatch exist.
+	// The HTTP server starts before that (see newService), so readiness
+	// reads the fields it guards only after loading it.
+	connected atomic.Bool
+	// kafkaAddrs names the brokers for readiness while connecting.
+	kafkaAddrs string
 }
 
 // newService connects to everything and checks the schema. With migrate set
@@ -77,6 +86,17 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	for i, b := range cfg.KafkaBrokers {
 		brokers[i] = strings.TrimSpace(b)
 	}
+	s.kafkaAddrs = strings.Join(brokers, ",")
+	// Serve before connecting to Kafka, which waits as long as the brokers
+	// are away: an orchestrator probing /readyz meanwhile should read "not
+	// ready: kafka connecting", not a refused connection that looks like a
+	// dead process.
+	if s.listener, err = net.Listen("tcp", cfg.HTTPAddr); err != nil {
+		return nil, fmt.Errorf("HTTP_ADDR=%s: %w", cfg.HTTPAddr, err)
+	}
+	s.http = &http.Server{Handler: s.routes(), ReadHeaderTimeout: 5 * time.Second}
+	s.httpErr = make(chan error, 1)
+	go func() { s.httpErr <- s.http.Serve(s.listener) }()
 	if err := s.connectKafka(ctx, brokers); err != nil {
 		return nil, err
 	}
@@ -86,9 +106,11 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	}
 	s.brokers = newBrokerCheck(brokers, probe)
 
+	logPolicies(logger, cfg)
 	s.ingester, err = deferral.NewIngester(s.group, deferral.NewStore(s.pool), deferral.IngestConfig{
-		Topic:       cfg.DeferTopic,
-		Rules:       deferral.Rules{Targets: cfg.targets, MaxDelay: cfg.MaxDelay},
+		Topic: cfg.DeferTopic,
+		Rules: deferral.Rules{Targets: cfg.targets, MaxDelay: cfg.MaxDelay,
+			Policies: cfg.policies, Classifier: cfg.classifier, Signing: cfg.signing},
 		BatchSize:   cfg.IngestBatchSize,
 		BatchLinger: cfg.IngestBatchLinger,
 		Metrics:     s.metrics,
@@ -109,21 +131,43 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 		PerKey:              cfg.DispatchKeyBatch,
 		MaintenanceInterval: time.Minute,
 		PollOnly:            !cfg.ListenNotify,
+		HistoryRetention:    cfg.HistoryRetention,
 		Dispatch: dispatch.Config{
-			BatchKeys:    cfg.DispatchBatchKeys,
-			PollInterval: cfg.PollInterval,
-			Targets:      cfg.targets,
-			Metrics:      s.metrics,
+			BatchKeys:       cfg.DispatchBatchKeys,
+			PollInterval:    cfg.PollInterval,
+			Targets:         cfg.targets,
+			MaxMessageBytes: cfg.KafkaMaxMessageBytes,
+			Metrics:         s.metrics,
 		},
 	}, logger.With("component", "dispatch"))
 	if err != nil {
 		return nil, err
 	}
-	if s.listener, err = net.Listen("tcp", cfg.HTTPAddr); err != nil {
-		return nil, fmt.Errorf("HTTP_ADDR=%s: %w", cfg.HTTPAddr, err)
-	}
-	s.http = &http.Server{Handler: s.routes(), ReadHeaderTimeout: 5 * time.Second}
+	s.connected.Store(true)
 	return s, nil
+}
+
+// logPolicies logs the effective retry rules, one line per policy entry in
+// the order they are tried, so that what a message will get can be read off
+// the start-up log.
+func logPolicies(logger *slog.Logger, cfg config) {
+	// Set.String renders "pattern: policy" entries joined by "; ", the
+	// default last; neither patterns nor policies can contain ";".
+	for e := range strings.SplitSeq(cfg.policies.String(), "; ") {
+		targets, pol, _ := strings.Cut(e, ": ")
+		logger.Info("retry policy", "targets", targets, "policy", pol)
+	}
+	// "permanent" is always parked; NON_RETRIABLE_ERRORS adds to it.
+	classes := "permanent"
+	if p := cfg.classifier.String(); p != "" {
+		classes += "," + p
+	}
+	logger.Info("error classes parked without retry", "patterns", classes)
+	logger.Info("attempt history", "retention", cfg.HistoryRetention)
+	// Sources only: keys are never logged.
+	if srcs := cfg.signing.Sources(); len(srcs) > 0 {
+		logger.Info("record signing", "sources", strings.Join(srcs, ","), "required", cfg.signing.Required())
+	}
 }
 
 // connectKafka creates the producer and the consumer group, retrying while
@@ -138,6 +182,7 @@ func (s *service) connectKafka(ctx context.Context, brokers []string) error {
 		if err != nil {
 			return err
 		}
+		pc.Producer.MaxMessageBytes = s.cfg.KafkaMaxMessageBytes
 		s.producer, err = sarama.NewSyncProducer(brokers, dispatch.ProducerConfig(pc))
 		if err == nil {
 			s.group, err = sarama.NewConsumerGroup(brokers, s.cfg.ConsumerGroup, deferral.ConsumerConfig(cc))
@@ -183,15 +228,13 @@ func (s *service) run(ctx context.Context) error {
 		defer close(ingestDone)
 		s.ingester.Run(ingestCtx)
 	}()
-	httpErr := make(chan error, 1)
-	go func() { httpErr <- s.http.Serve(s.listener) }()
 	s.logger.Info("scheduler running", "defer_topic", s.cfg.DeferTopic, "group", s.cfg.ConsumerGroup,
 		"http", s.listener.Addr().String(), "targets", s.cfg.TargetTopics)
 
 	var err error
 	select {
 	case <-ctx.Done():
-	case err = <-httpErr:
+	case err = <-s.httpErr:
 		err = fmt.Errorf("HTTP server: %w", err)
 	}
 	s.logger.Info("shutting down")
@@ -217,11 +260,16 @@ func (s *service) run(ctx context.Context) error {
 	cancel()
 	wg.Wait()
 	stored, rejected, dups := s.ingester.Counts()
-	s.logger.Info("stopped", "stored", stored, "rejected", rejected, "duplicates", dups)
+	s.logger.Info("stopped", "stored", stored, "rejected", rejected, "parked", s.ingester.Parked(), "duplicates", dups)
 	return err
 }
 
 func (s *service) close() {
+	if s.http != nil {
+		// After run's Shutdown this does nothing; after a failed start it
+		// stops the server that newService started.
+		s.http.Close()
+	}
 	if s.group != nil {
 		if err := s.group.Close(); err != nil {
 			s.logger.Warn("close consumer group", "error", err)
@@ -250,7 +298,8 @@ func (s *service) routes() http.Handler {
 
 // readyz answers 200 when the database answers with the expected schema, the
 // brokers answer and ingest holds a consumer-group session; 503 with the
-// failing checks otherwise.
+// failing checks otherwise. While start-up waits for Kafka, kafka fails with
+// "connecting".
 func (s *service) readyz(w http.ResponseWriter, r *http.Request) {
 	checks := s.readiness(r.Context())
 	status := http.StatusOK
@@ -289,14 +338,24 @@ func (s *service) readiness(ctx context.Context) map[string]string {
 			fail("migrations", fmt.Sprintf("%d of the scheduler's and %d of River's pending", len(pending), river))
 		}
 	})
-	wg.Go(func() {
-		if err := s.brokers.check(ctx); err != nil {
-			fail("kafka", err.Error())
-		}
-	})
+	connected := s.connected.Load()
+	if connected {
+		wg.Go(func() {
+			if err := s.brokers.check(ctx); err != nil {
+				fail("kafka", err.Error())
+			}
+		})
+	} else {
+		fail("kafka", "connecting to "+s.kafkaAddrs)
+	}
 	wg.Wait()
-	if !s.ingester.Joined() {
-		checks["ingest"] = "not joined to consumer group " + s.cfg.ConsumerGroup
+	if connected {
+		switch err := s.ingester.StoreError(); {
+		case err != nil:
+			checks["ingest"] = "storing a batch fails: " + err.Error()
+		case !s.ingester.Joined():
+			checks["ingest"] = "not joined to consumer group " + s.cfg.ConsumerGroup
+		}
 	}
 	s.metrics.SetReady(len(checks) == 0)
 	return checks
@@ -353,16 +412,19 @@ func (s *service) backlog(ctx context.Context) (metrics.Backlog, error) {
 	defer rows.Close()
 	for rows.Next() {
 		var (
-			target, state   *string
-			n, due, held    int64
-			oldestDueSecond float64
-			oldestXactSec   float64
+			target, state         *string
+			n, due, held          int64
+			heldParked, dlqUnsent int64
+			oldestDueSecond       float64
+			oldestXactSec         float64
 		)
-		if err := rows.Scan(&target, &state, &n, &due, &oldestDueSecond, &held, &oldestXactSec); err != nil {
+		if err := rows.Scan(&target, &state, &n, &due, &oldestDueSecond, &held, &oldestXactSec,
+			&heldParked, &dlqUnsent); err != nil {
 			return b, fmt.Errorf("read backlog: %w", err)
 		}
 		b.OldestDue = time.Duration(oldestDueSecond * float64(time.Second))
 		b.HeldKeys = held
+		b.KeysHeldParked, b.DLQUnsent = heldParked, dlqUnsent
 		b.OldestTransaction = time.Duration(oldestXactSec * float64(time.Second))
 		if state == nil {
 			continue // no message at all

@@ -7,6 +7,7 @@ import (
 	"math"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -28,6 +29,7 @@ const (
 	fuzzExtraFirst             // the extra header comes first rather than last
 	fuzzSmallKey               // MaxKeyBytes = 16
 	fuzzNoDelay                // MaxDelay = 0
+	fuzzRedrive                // defer.redrive-count = attempt
 )
 
 // FuzzParse checks the properties every Parse result must have, whatever the
@@ -50,6 +52,16 @@ func FuzzParse(f *testing.F) {
 	f.Add([]byte(nil), []byte(nil), uint16(fuzzTarget|fuzzAt|fuzzDelay),
 		"..", "9999-12-31T23:59:59-23:59", "-0s", "", "", "", "", "",
 		[]byte(nil), []byte(nil))
+	f.Add([]byte("k"), []byte("v"), uint16(fuzzTarget|fuzzAttempt|fuzzRedrive|fuzzID|fuzzSeq),
+		"orders.x", "", "", "", "3", "42", "7", "",
+		[]byte(nil), []byte(nil))
+	f.Add([]byte("k"), []byte("v"), uint16(fuzzTarget|fuzzRedrive|fuzzExtra),
+		"orders.x", "", "", "", "2147483648", "", "", "",
+		[]byte(HeaderDelay), []byte("1s"))
+
+	f.Add([]byte("k"), []byte("v"), uint16(fuzzTarget|fuzzDelay|fuzzExtra),
+		"orders.x", "", "1s", "", "", "", "", "",
+		[]byte(HeaderSource), []byte("billing svc"))
 
 	patterns, err := ParseTargetPatterns("orders.*, payments, [a-c]?")
 	if err != nil {
@@ -76,6 +88,7 @@ func FuzzParse(f *testing.F) {
 		add(fuzzDelay, HeaderDelay, delay)
 		add(fuzzKey, HeaderKey, bizKey)
 		add(fuzzAttempt, HeaderAttempt, attempt)
+		add(fuzzRedrive, HeaderRedriveCount, attempt)
 		add(fuzzID, HeaderID, id)
 		add(fuzzSeq, HeaderSeq, seq)
 		add(fuzzError, HeaderErrorClass, errText)
@@ -100,11 +113,22 @@ func FuzzParse(f *testing.F) {
 				t.Errorf("Schedule holds %q, which is not storable text", str)
 			}
 		}
+		if s.Source != "" && !ValidSource(s.Source) {
+			t.Errorf("Schedule holds source %q, which is not a valid defer.source", s.Source)
+		}
 		if s.Ordered == (s.BusinessKey == "") {
 			t.Errorf("Ordered = %v with BusinessKey %q", s.Ordered, s.BusinessKey)
 		}
 		if s2, err2 := Parse(rec, rules, now); !sameSchedule(s, s2) || !sameError(err, err2) {
 			t.Errorf("Parse is not deterministic: %+v, %v then %+v, %v", s, err, s2, err2)
+		}
+		// Rejected or not, the policy picks the delay exactly when the
+		// record names no time.
+		timed := slices.ContainsFunc(rec.Headers, func(h Header) bool {
+			return string(h.Key) == HeaderAt || string(h.Key) == HeaderDelay
+		})
+		if s.FromPolicy == timed {
+			t.Errorf("FromPolicy = %v, but the record has defer.at or defer.delay: %v", s.FromPolicy, timed)
 		}
 
 		if err != nil {
@@ -124,6 +148,10 @@ func FuzzParse(f *testing.F) {
 			return
 		}
 
+		// The extra header may itself be defer.at or defer.delay, so the
+		// oracles read the value the accepted record holds (duplicates are
+		// rejected, so there is at most one).
+		at, delay = headerValue(rec, HeaderAt), headerValue(rec, HeaderDelay)
 		if !ValidTopic(s.Target) || !rules.Targets.Allows(s.Target) {
 			t.Errorf("accepted target %q", s.Target)
 		}
@@ -137,6 +165,10 @@ func FuzzParse(f *testing.F) {
 			}
 			if s.Delay != 0 {
 				t.Errorf("Delay = %v with HasAt", s.Delay)
+			}
+		} else if s.FromPolicy {
+			if s.Delay != 0 || !s.At.IsZero() {
+				t.Errorf("Delay %v, At %v with FromPolicy", s.Delay, s.At)
 			}
 		} else {
 			if s.Delay < 0 || s.Delay > rules.MaxDelay {
@@ -152,10 +184,25 @@ func FuzzParse(f *testing.F) {
 		if s.Ordered && len(s.BusinessKey) > maxKey {
 			t.Errorf("accepted business key of %d bytes", len(s.BusinessKey))
 		}
-		if s.Attempt < 0 || s.OriginID < 0 || s.Seq < 0 {
-			t.Errorf("accepted attempt %d, id %d, seq %d", s.Attempt, s.OriginID, s.Seq)
+		if s.Attempt < 0 || s.OriginID < 0 || s.Seq < 0 || s.RedriveCount < 0 {
+			t.Errorf("accepted attempt %d, id %d, seq %d, redrive count %d", s.Attempt, s.OriginID, s.Seq, s.RedriveCount)
+		}
+		if present&fuzzRedrive != 0 {
+			if n, err := strconv.ParseInt(attempt, 10, 32); err != nil || int32(n) != s.RedriveCount {
+				t.Errorf("defer.redrive-count %q accepted as %d; strconv gives %d, %v", attempt, s.RedriveCount, n, err)
+			}
 		}
 	})
+}
+
+// headerValue returns the value of rec's first header named key, or "".
+func headerValue(rec Record, key string) string {
+	for _, h := range rec.Headers {
+		if string(h.Key) == key {
+			return string(h.Value)
+		}
+	}
+	return ""
 }
 
 func sameError(a, b error) bool {

@@ -5,13 +5,17 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
+	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/deferq/scheduler/internal/backoff"
 	"github.com/deferq/scheduler/internal/metrics"
+	"github.com/deferq/scheduler/internal/policy"
 )
 
 // ConsumerConfig returns consumer-group settings for ingest: start from the
@@ -32,6 +36,16 @@ func ConsumerConfig(base *sarama.Config) *sarama.Config {
 	// (KAFKA_TIMEOUT): with a short timeout, every idle fetch would fail and
 	// drop the connection, and with it, at times, the group session.
 	c.Consumer.MaxWaitTime = min(c.Consumer.MaxWaitTime, c.Net.ReadTimeout/2)
+	// A JoinGroup is answered only when every member has rejoined or the
+	// rebalance timeout evicted those that did not (a killed replica never
+	// does). A read timeout shorter than that makes every survivor give up
+	// on its join and retry, and the group never settles: the chaos run
+	// (cmd/chaos) stalled ingest for good this way at KAFKA_TIMEOUT=300ms and
+	// 1s. The consumer's connections get a read timeout longer than the
+	// rebalance; the producer keeps KAFKA_TIMEOUT, which the lease is
+	// measured against.
+	c.Consumer.Group.Rebalance.Timeout = 20 * time.Second
+	c.Net.ReadTimeout = max(c.Net.ReadTimeout, c.Consumer.Group.Rebalance.Timeout+5*time.Second)
 	return c
 }
 
@@ -46,6 +60,10 @@ type IngestConfig struct {
 	// Metrics receives per-batch counts, durations and lag; nil records
 	// nothing.
 	Metrics *metrics.Metrics
+	// Rand draws the jitter of policy delays, uniform in [0, 1); it must be
+	// safe for concurrent use (partitions are ingested in parallel). Nil
+	// means math/rand/v2's Float64. Tests set it to get exact delays.
+	Rand func() float64
 }
 
 // Ingester consumes the defer topic and stores what it reads.
@@ -60,8 +78,12 @@ type Ingester struct {
 	// from holds, for the current session, the next offset already stored
 	// per partition; set in Setup before any claim runs, read-only after.
 	from map[int32]int64
-	// stored and rejected count rows written since start.
-	stored, rejected, duplicates atomic.Int64
+	// stored, rejected and parked count rows written since start,
+	// duplicates records skipped as stored before.
+	stored, rejected, parked, duplicates atomic.Int64
+	// storeErr holds the error of the last failed attempt to store a batch,
+	// nil after one succeeds.
+	storeErr atomic.Pointer[error]
 
 	// afterStore, when set (tests), runs after a batch is committed to the
 	// database and before its offsets are marked; an error ends the claim
@@ -69,7 +91,9 @@ type Ingester struct {
 	afterStore func() error
 }
 
-// NewIngester returns an Ingester that reads with group.
+// NewIngester returns an Ingester that reads with group. It resolves nil
+// cfg.Rules.Policies to the built-in default policy, capped at
+// cfg.Rules.MaxDelay, which must then be positive.
 func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, logger *slog.Logger) (*Ingester, error) {
 	switch {
 	case cfg.Topic == "":
@@ -78,6 +102,16 @@ func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, log
 		return nil, fmt.Errorf("ingest: batch size %d, need at least 1", cfg.BatchSize)
 	case cfg.BatchLinger <= 0:
 		return nil, fmt.Errorf("ingest: batch linger %v must be positive", cfg.BatchLinger)
+	}
+	if cfg.Rules.Policies == nil {
+		set, err := policy.Parse("", cfg.Rules.MaxDelay)
+		if err != nil {
+			return nil, fmt.Errorf("ingest: default retry policy with maximum delay %v: %w", cfg.Rules.MaxDelay, err)
+		}
+		cfg.Rules.Policies = set
+	}
+	if cfg.Rand == nil {
+		cfg.Rand = rand.Float64
 	}
 	return &Ingester{group: group, store: store, cfg: cfg, logger: logger, now: time.Now}, nil
 }
@@ -90,6 +124,10 @@ func (in *Ingester) Joined() bool { return in.joined.Load() }
 func (in *Ingester) Counts() (stored, rejected, duplicates int64) {
 	return in.stored.Load(), in.rejected.Load(), in.duplicates.Load()
 }
+
+// Parked returns how many of the rows stored since start went straight to
+// the parking lot (non-retriable error class, retries exhausted).
+func (in *Ingester) Parked() int64 { return in.parked.Load() }
 
 // Run consumes until ctx is done. Errors from the group (a broker away, a
 // rebalance failing) are logged and retried: ingest must come back by itself.
@@ -233,29 +271,30 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 		for j, h := range m.Headers {
 			rec.Headers[j] = Header{Key: h.Key, Value: h.Value}
 		}
-		sc, err := Parse(rec, in.cfg.Rules, start)
-		entries[i] = Entry{Offset: m.Offset, Record: rec, Schedule: sc}
-		if err != nil {
-			var rej *RejectError
-			if !errors.As(err, &rej) {
-				rej = &RejectError{Code: "invalid_record", Detail: err.Error()}
-			}
-			entries[i].Reject = rej
-		}
+		entries[i] = prepare(m.Offset, rec, in.cfg.Rules, start, in.cfg.Rand)
 	}
 
-	var stored, rejected int64
+	var n Inserted
 	for attempt := 1; ; attempt++ {
-		// Each attempt runs to its end even if the session ends meanwhile: a
-		// write cancelled after it reached Postgres would commit rows whose
-		// offsets then go unmarked. The session is checked between attempts.
-		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
 		var err error
-		stored, rejected, err = in.store.Insert(actx, topic, partition, entries)
-		cancel()
+		n, err = in.insert(ctx, topic, partition, entries)
+		if err != nil && poison(err) {
+			// The database refused something in this batch, and would refuse
+			// it again: find the record(s) by storing one at a time, so that
+			// one bad record neither stops the partition nor goes missing.
+			in.logger.Warn("store batch refused; storing its records one by one", "error", err,
+				"topic", topic, "partition", partition, "first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset)
+			var stored []Entry
+			stored, n, err = in.storeEach(ctx, topic, partition, entries)
+			if err == nil {
+				entries = stored
+			}
+		}
 		if err == nil {
+			in.storeErr.Store(nil)
 			break
 		}
+		in.storeErr.Store(&err)
 		if ctx.Err() != nil {
 			return fmt.Errorf("ingest stopped before storing: %w", err)
 		}
@@ -273,22 +312,150 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 	}
 	sess.MarkMessage(msgs[len(msgs)-1], "")
 
-	in.stored.Add(stored)
-	in.rejected.Add(rejected)
-	in.duplicates.Add(int64(len(msgs)) - stored)
+	in.stored.Add(n.Stored)
+	in.rejected.Add(n.Rejected)
+	in.parked.Add(n.Parked)
+	in.duplicates.Add(int64(len(msgs)) - n.Stored)
 	took := in.now().Sub(start)
-	byCode := rejectedByCode(entries, rejected)
-	in.cfg.Metrics.IngestBatch(int(stored-rejected), len(msgs)-int(stored), int(rejected), byCode, took)
+	byCode := rejectedByCode(entries, n.Rejected)
+	parkedBy := parkedByCode(entries, n.Parked)
+	// Parked rows count as stored: they are valid and kept, and
+	// scheduler_ingest_parked_total says how many of them went to the
+	// parking lot.
+	in.cfg.Metrics.IngestBatch(int(n.Stored-n.Rejected), len(msgs)-int(n.Stored), int(n.Rejected), byCode, took)
+	in.cfg.Metrics.IngestParked(parkedBy)
 	attrs := []any{"topic", topic, "partition", partition,
-		"records", len(msgs), "stored", stored, "rejected", rejected, "duplicates", int64(len(msgs)) - stored,
+		"records", len(msgs), "stored", n.Stored, "rejected", n.Rejected, "parked", n.Parked,
+		"duplicates", int64(len(msgs)) - n.Stored,
 		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", took}
+	// Codes only: the rows hold the details, and a batch of bad records
+	// stays one line.
 	if len(byCode) > 0 {
-		// Codes only: the rows hold the details, and a batch of bad records
-		// stays one line.
 		attrs = append(attrs, "rejected_by_reason", byCode)
+	}
+	if len(parkedBy) > 0 {
+		attrs = append(attrs, "parked_by_reason", parkedBy)
 	}
 	in.logger.Info("ingested batch", attrs...)
 	return nil
+}
+
+// insert stores entries in one statement. The statement runs to its end even
+// if the session ends meanwhile: a write cancelled after it reached Postgres
+// would commit rows whose offsets then go unmarked. The session is checked
+// between attempts.
+func (in *Ingester) insert(ctx context.Context, topic string, partition int32, entries []Entry) (Inserted, error) {
+	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
+	defer cancel()
+	return in.store.Insert(actx, topic, partition, entries)
+}
+
+// storeEach stores entries one statement per entry, in order. An entry the
+// database refuses (see poison) is stored instead as rejected with reason
+// code store_failed and the database's error, without its schedule (the
+// cause may be in it: a business key too long to index, say); the record's
+// key, value and headers are kept, so an operator can fix and replay it.
+// It returns the entries as stored, for the batch's counts by reason code,
+// or the first error that storing as rejected does not get past; the rows
+// stored until then stay stored, and a retry of the batch skips them as
+// duplicates.
+func (in *Ingester) storeEach(ctx context.Context, topic string, partition int32, entries []Entry) ([]Entry, Inserted, error) {
+	var total Inserted
+	// A copy: entries stays what the records say, for a retry of the whole
+	// batch once the database takes them (a trigger fixed, say).
+	stored := append([]Entry(nil), entries...)
+	for i := range stored {
+		one := stored[i : i+1]
+		n, err := in.insert(ctx, topic, partition, one)
+		if err != nil && poison(err) {
+			in.logger.Error("record refused by the database; storing it as rejected (store_failed)", "error", err,
+				"topic", topic, "partition", partition, "offset", stored[i].Offset)
+			stored[i] = storeFailed(stored[i], err)
+			n, err = in.insert(ctx, topic, partition, one)
+		}
+		if err != nil {
+			return nil, total, err
+		}
+		total.Stored += n.Stored
+		total.Rejected += n.Rejected
+		total.Parked += n.Parked
+	}
+	return stored, total, nil
+}
+
+// maxStoreFailedDetail bounds the database error kept in a store_failed
+// reason: messages quote values, which may be long.
+const maxStoreFailedDetail = 1000
+
+// storeFailed returns e as a rejected entry with reason code store_failed.
+func storeFailed(e Entry, err error) Entry {
+	detail := err.Error()
+	if len(detail) > maxStoreFailedDetail {
+		detail = strings.ToValidUTF8(detail[:maxStoreFailedDetail], "") + "..."
+	}
+	return Entry{
+		Offset: e.Offset,
+		Record: e.Record,
+		Reject: &RejectError{Code: "store_failed", Detail: detail},
+	}
+}
+
+// poison reports whether err is the database refusing the data of a
+// statement, which retrying the same statement cannot fix: a data exception
+// (SQLSTATE class 22), an integrity constraint (class 23) other than a
+// unique violation (which the ingest statement handles, and which otherwise
+// means a race worth retrying), a raise from a trigger or function (P0) or a
+// program limit (54, an index row too large). Anything else (connection
+// lost, timeouts, serialization failures, a read-only server) may pass on
+// retry, and the batch is retried whole.
+func poison(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || len(pg.Code) != 5 {
+		return false
+	}
+	switch pg.Code[:2] {
+	case "22", "P0", "54":
+		return true
+	case "23":
+		return pg.Code != uniqueViolation
+	}
+	return false
+}
+
+// uniqueViolation is SQLSTATE unique_violation.
+const uniqueViolation = "23505"
+
+// StoreError returns the error of the last attempt to store a batch if it
+// failed, nil once a batch is stored again: ingest is stuck meanwhile, and
+// readiness says so.
+func (in *Ingester) StoreError() error {
+	if p := in.storeErr.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// prepare parses one record read at offset, checks its signature (after
+// Parse, so a record with several problems is rejected for the first in
+// Parse's order) and, unless it is rejected, applies the retry rules to it.
+// rules.Policies must be set (NewIngester resolves nil to the default).
+func prepare(offset int64, rec Record, rules Rules, now time.Time, rnd func() float64) Entry {
+	sc, err := Parse(rec, rules, now)
+	e := Entry{Offset: offset, Record: rec, Schedule: sc}
+	if err != nil {
+		var rej *RejectError
+		if !errors.As(err, &rej) {
+			rej = &RejectError{Code: "invalid_record", Detail: err.Error()}
+		}
+		e.Reject = rej
+		return e
+	}
+	if rej := rules.Signing.check(rec, &e.Schedule); rej != nil {
+		e.Reject = rej
+		return e
+	}
+	e.Decision = decide(&e.Schedule, rules.Policies, rules.Classifier, rnd)
+	return e
 }
 
 // rejectedByCode counts by reason code the rejected entries of a batch that
@@ -297,13 +464,35 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 // records stored before, which precede the new ones in the partition: the
 // stored rejections are then the last ones, so they are counted from the end.
 func rejectedByCode(entries []Entry, stored int64) map[string]int {
+	return countCodes(entries, stored, func(e *Entry) string {
+		if e.Reject != nil {
+			return e.Reject.Code
+		}
+		return ""
+	})
+}
+
+// parkedByCode counts by reason code the entries of a batch parked at
+// ingest, of which stored were stored; see rejectedByCode.
+func parkedByCode(entries []Entry, stored int64) map[string]int {
+	return countCodes(entries, stored, func(e *Entry) string {
+		if e.Reject == nil && e.Decision.Park != nil {
+			return e.Decision.Park.Code
+		}
+		return ""
+	})
+}
+
+// countCodes counts, from the end of entries, the last stored entries that
+// code gives a code for ("" for none), by code.
+func countCodes(entries []Entry, stored int64, code func(*Entry) string) map[string]int {
 	if stored == 0 {
 		return nil
 	}
 	out := map[string]int{}
 	for i := len(entries) - 1; i >= 0 && stored > 0; i-- {
-		if rej := entries[i].Reject; rej != nil {
-			out[rej.Code]++
+		if c := code(&entries[i]); c != "" {
+			out[c]++
 			stored--
 		}
 	}

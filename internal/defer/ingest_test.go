@@ -194,7 +194,8 @@ type runningIngester struct {
 }
 
 // startIngester runs an Ingester in group until ctx ends or stop is called.
-// afterStore, if not nil, is installed as the test hook.
+// afterStore, if not nil, is installed as the test hook. cfg.Rules without
+// targets means ingestRules().
 func startIngester(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, groupID string, cfg IngestConfig, afterStore func() error) *runningIngester {
 	t.Helper()
 	group, err := sarama.NewConsumerGroup(k.addrs, groupID, ConsumerConfig(saramaConfig()))
@@ -202,7 +203,9 @@ func startIngester(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool
 		t.Fatalf("consumer group: %v", err)
 	}
 	cfg.Topic = ingestTopic
-	cfg.Rules = ingestRules()
+	if cfg.Rules.Targets == nil {
+		cfg.Rules = ingestRules()
+	}
 	in, err := NewIngester(group, NewStore(pool), cfg, newTestLogger(t))
 	if err != nil {
 		group.Close()

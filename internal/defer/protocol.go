@@ -18,6 +18,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/deferq/scheduler/internal/policy"
 )
 
 // Control headers. Their values are UTF-8 text. Every other header, including
@@ -48,6 +50,18 @@ const (
 	// HeaderScheduledAt is written by the scheduler on output. On input it
 	// is an ordinary header: a re-deferred record naturally carries it.
 	HeaderScheduledAt = "defer.scheduled-at"
+	// HeaderRedriveCount counts how many times operators replayed the
+	// message's lineage out of the parking lot (0..2147483647, default 0).
+	// The scheduler writes it on output; a re-deferral carries it back, so
+	// that a message going round the parking lot again and again shows.
+	HeaderRedriveCount = "defer.redrive-count"
+	// HeaderSource names the producing service, for signatures: 1 to 128
+	// of [A-Za-z0-9._-]. It is carried through to the output.
+	HeaderSource = "defer.source"
+	// HeaderSignature is the HMAC-SHA256 of the record under the key of its
+	// defer.source, 64 lowercase hex digits (see Sign). The scheduler drops
+	// it on output: the schedule headers it covers are rewritten there.
+	HeaderSignature = "defer.signature"
 )
 
 // Header is one Kafka record header, as on the wire.
@@ -110,7 +124,8 @@ func (p TargetPatterns) Allows(topic string) bool {
 // B-tree index entry.
 const DefaultMaxKeyBytes = 1024
 
-// Rules are the limits a record is validated against.
+// Rules are the limits a record is validated against, and the retry rules
+// that decide what becomes of a valid one.
 type Rules struct {
 	// Targets are the topics a record may be republished to.
 	Targets TargetPatterns
@@ -120,6 +135,19 @@ type Rules struct {
 	// MaxKeyBytes limits the length of the business key as stored (after
 	// Text). Zero or negative means DefaultMaxKeyBytes.
 	MaxKeyBytes int
+	// Policies are the retry policies (RETRY_POLICIES) by target: the delay
+	// of a record that names no time, how many retries it gets, whether it
+	// holds its key once parked and where its dead-letter copy goes. Parse
+	// does not use them. Nil means the built-in default,
+	// policy.Parse("", MaxDelay), which NewIngester resolves once.
+	Policies *policy.Set
+	// Classifier says which error classes (defer.error.class) are not worth
+	// retrying: such records are parked at ingest. The zero value parks
+	// only the class "permanent".
+	Classifier policy.Classifier
+	// Signing holds the signing keys of sources (SIGNING_KEYS): records of a
+	// source with a key must be signed by it. Nil checks no signatures.
+	Signing *Signing
 }
 
 // Schedule is what a valid record asks for.
@@ -136,17 +164,26 @@ type Schedule struct {
 	ErrorMessage string
 	OriginID     int64 // defer.id of a re-deferral; 0 if none
 	Seq          int64 // defer.seq of a re-deferral; 0 if none
+	// FromPolicy: the record has neither defer.at nor defer.delay, so the
+	// retry policy of Target picks the delay (HasAt is false, Delay 0).
+	FromPolicy bool
+	// RedriveCount is defer.redrive-count; 0 if absent.
+	RedriveCount int32
+	// Source is defer.source, the producing service whose key signs the
+	// record; "" if absent.
+	Source string
 }
 
 // Rejection codes. They are metric label values and are queried by
-// operators, so they must never change; add new ones instead.
+// operators, so they must never change; add new ones instead. A code Parse
+// no longer emits stays, so that its history remains explained.
 const (
 	codeInvalidEncoding     = "invalid_encoding"
 	codeDuplicateHeader     = "duplicate_header"
 	codeMissingTarget       = "missing_target"
 	codeInvalidTarget       = "invalid_target"
 	codeTargetNotAllowed    = "target_not_allowed"
-	codeMissingSchedule     = "missing_schedule"
+	codeMissingSchedule     = "missing_schedule" // no longer emitted: the retry policy picks the delay
 	codeConflictingSchedule = "conflicting_schedule"
 	codeInvalidAt           = "invalid_at"
 	codeInvalidDelay        = "invalid_delay"
@@ -155,6 +192,8 @@ const (
 	codeInvalidAttempt      = "invalid_attempt"
 	codeInvalidID           = "invalid_id"
 	codeInvalidSeq          = "invalid_seq"
+	codeInvalidRedriveCount = "invalid_redrive_count"
+	codeInvalidSource       = "invalid_source"
 )
 
 // RejectError says why a record cannot be scheduled.
@@ -187,6 +226,9 @@ const (
 	ctlErrorMessage
 	ctlID
 	ctlSeq
+	ctlRedriveCount
+	ctlSource
+	ctlSignature
 	numControl
 )
 
@@ -200,6 +242,9 @@ var controlNames = [numControl]string{
 	ctlErrorMessage: HeaderErrorMessage,
 	ctlID:           HeaderID,
 	ctlSeq:          HeaderSeq,
+	ctlRedriveCount: HeaderRedriveCount,
+	ctlSource:       HeaderSource,
+	ctlSignature:    HeaderSignature,
 }
 
 // controlOf returns the control header named key. HeaderScheduledAt is not
@@ -224,6 +269,12 @@ func controlOf(key []byte) (control, bool) {
 		return ctlID, true
 	case HeaderSeq:
 		return ctlSeq, true
+	case HeaderRedriveCount:
+		return ctlRedriveCount, true
+	case HeaderSource:
+		return ctlSource, true
+	case HeaderSignature:
+		return ctlSignature, true
 	}
 	return 0, false
 }
@@ -242,12 +293,19 @@ func controlOf(key []byte) (control, bool) {
 //     appears again.
 //  3. defer.target: missing_target, invalid_target (not a legal Kafka topic
 //     name), target_not_allowed (not in rules.Targets).
-//  4. defer.at and defer.delay: missing_schedule (neither),
-//     conflicting_schedule (both), then invalid_at, invalid_delay
-//     (unparsable, negative or overflowing) and delay_too_long (longer than
-//     rules.MaxDelay from now).
+//  4. defer.at and defer.delay: conflicting_schedule (both), then
+//     invalid_at, invalid_delay (unparsable, negative or overflowing) and
+//     delay_too_long (longer than rules.MaxDelay from now). Neither is not
+//     a problem: the Schedule says FromPolicy, and the retry policy picks
+//     the delay after Parse (the code missing_schedule is no longer used).
 //  5. business key: key_too_long.
-//  6. invalid_attempt, invalid_id, invalid_seq, in that order.
+//  6. invalid_attempt, invalid_id, invalid_seq, invalid_redrive_count, in
+//     that order.
+//  7. invalid_source: defer.source is not 1 to 128 of [A-Za-z0-9._-].
+//
+// Parse only validates: rules.Policies, rules.Classifier and rules.Signing
+// play no part in it. Signatures are checked after Parse accepted a record
+// (see Signing), so their codes come after these.
 //
 // On rejection Parse returns a *RejectError and, still, the Schedule filled
 // in as far as the record could be parsed, so that the rejected row stays
@@ -310,7 +368,7 @@ func Parse(rec Record, rules Rules, now time.Time) (Schedule, error) {
 	hasAt, hasDelay := count[ctlAt] > 0, count[ctlDelay] > 0
 	switch {
 	case !hasAt && !hasDelay:
-		rej.addf(codeMissingSchedule, "neither %s nor %s is present", HeaderAt, HeaderDelay)
+		s.FromPolicy = true
 	case hasAt && hasDelay:
 		rej.addf(codeConflictingSchedule, "both %s %s and %s %s are present; send one",
 			HeaderAt, quote(val[ctlAt]), HeaderDelay, quote(val[ctlDelay]))
@@ -387,6 +445,23 @@ func Parse(rec Record, rules Rules, now time.Time) (Schedule, error) {
 			s.Seq = n
 		} else {
 			rej.addf(codeInvalidSeq, "%s %s is not a positive decimal int64", HeaderSeq, quote(val[ctlSeq]))
+		}
+	}
+	if count[ctlRedriveCount] > 0 && text[ctlRedriveCount] {
+		if n, ok := parseDecimal(val[ctlRedriveCount], math.MaxInt32); ok {
+			s.RedriveCount = int32(n)
+		} else {
+			rej.addf(codeInvalidRedriveCount, "%s %s is not a decimal integer in 0..%d",
+				HeaderRedriveCount, quote(val[ctlRedriveCount]), math.MaxInt32)
+		}
+	}
+
+	if count[ctlSource] > 0 && text[ctlSource] {
+		if ValidSource(val[ctlSource]) {
+			s.Source = string(val[ctlSource])
+		} else {
+			rej.addf(codeInvalidSource, "%s %s is not 1 to %d of [A-Za-z0-9._-]",
+				HeaderSource, quote(val[ctlSource]), MaxSourceBytes)
 		}
 	}
 

@@ -17,8 +17,21 @@ type Entry struct {
 	Record   Record
 	Schedule Schedule
 	// Reject is set when the record cannot be scheduled; it is then stored as
-	// state 'rejected' with Reject.Error() as the reason.
+	// state 'rejected' with Reject.Error() as the reason, and Decision is
+	// ignored.
 	Reject *RejectError
+	// Decision is what the retry rules made of a record that was not
+	// rejected: pending or parked, the policy's delay, and the key and
+	// dead-letter settings for when it is parked.
+	Decision Decision
+}
+
+// Inserted counts what one Insert stored.
+type Inserted struct {
+	// Stored counts the new rows; the rest of the batch was stored before.
+	Stored int64
+	// Rejected and Parked count the new rows stored in those states.
+	Rejected, Parked int64
 }
 
 // Store writes batches of entries to deferred_message.
@@ -32,12 +45,16 @@ func NewStore(pool *pgxpool.Pool) *Store { return &Store{pool: pool} }
 // Insert stores the entries read from one partition in one statement (so in
 // one transaction), together with the partition's next offset (the last
 // entry's plus one), and returns how many were new, and how many of those
-// were rejected. Entries stored before (the same topic, partition and offset)
-// are skipped: replaying a partition after a crash or a rebalance stores
-// nothing twice. Entries must be in offset order.
-func (s *Store) Insert(ctx context.Context, topic string, partition int32, entries []Entry) (stored, rejected int64, err error) {
+// were rejected and parked. Entries stored before (the same topic, partition
+// and offset) are skipped: replaying a partition after a crash or a
+// rebalance stores nothing twice. Entries must be in offset order.
+//
+// Rejected and parked rows are due at ingest time: they are never sent on
+// their own, and an operator who sets one back to pending usually wants it
+// now.
+func (s *Store) Insert(ctx context.Context, topic string, partition int32, entries []Entry) (Inserted, error) {
 	if len(entries) == 0 {
-		return 0, 0, nil
+		return Inserted{}, nil
 	}
 	n := len(entries)
 	var (
@@ -58,6 +75,10 @@ func (s *Store) Insert(ctx context.Context, topic string, partition int32, entri
 		hRecord  []int32
 		hKeys    []string
 		hValues  [][]byte
+		holds    = make([]bool, n)
+		dlqs     = make([]*string, n)
+		redrives = make([]int32, n)
+		stored   Inserted
 	)
 	for i := range entries {
 		e := &entries[i]
@@ -73,20 +94,36 @@ func (s *Store) Insert(ctx context.Context, topic string, partition int32, entri
 			targets[i] = &sc.Target
 		}
 		switch {
-		case e.Reject != nil:
-			// Rejected rows are never dispatched; next_run_at is ingest time.
+		case e.Reject != nil, e.Decision.Park != nil:
+			// Never dispatched on their own: next_run_at is ingest time.
 		case sc.HasAt:
 			runAts[i] = &sc.At
+		case sc.FromPolicy:
+			delays[i] = e.Decision.Delay.Microseconds()
 		default:
 			delays[i] = sc.Delay.Microseconds()
 		}
 		attempts[i] = sc.Attempt
-		states[i] = "pending"
-		if e.Reject != nil {
+		switch {
+		case e.Reject != nil:
+			// A rejected row holds nothing and has no policy: an operator
+			// who fixes it decides what becomes of it.
 			states[i] = "rejected"
 			reason := e.Reject.Error()
 			reasons[i] = &reason
+		default:
+			states[i] = "pending"
+			if e.Decision.Park != nil {
+				states[i] = "parked"
+				reason := e.Decision.Park.String()
+				reasons[i] = &reason
+			}
+			holds[i] = !e.Decision.ReleaseKey
+			if e.Decision.DLQTopic != "" {
+				dlqs[i] = &e.Decision.DLQTopic
+			}
 		}
+		redrives[i] = sc.RedriveCount
 		if sc.ErrorClass != "" {
 			classes[i] = &sc.ErrorClass
 		}
@@ -106,14 +143,15 @@ func (s *Store) Insert(ctx context.Context, topic string, partition int32, entri
 			hValues = append(hValues, h.Value)
 		}
 	}
-	err = s.pool.QueryRow(ctx, schedsql.IngestInsert, topic, partition,
+	err := s.pool.QueryRow(ctx, schedsql.IngestInsert, topic, partition,
 		offsets, bizKeys, seqs, targets, runAts, delays, attempts, states, reasons, classes, messages, origins,
-		keys, values, hRecord, hKeys, hValues, offsets[n-1]+1).Scan(&stored, &rejected)
+		keys, values, hRecord, hKeys, hValues, offsets[n-1]+1, holds, dlqs, redrives,
+	).Scan(&stored.Stored, &stored.Rejected, &stored.Parked)
 	if err != nil {
-		return 0, 0, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
+		return Inserted{}, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
 			n, topic, partition, offsets[0], offsets[n-1], err)
 	}
-	return stored, rejected, nil
+	return stored, nil
 }
 
 // Offsets returns the next offset to read for each of the given partitions

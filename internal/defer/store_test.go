@@ -370,13 +370,13 @@ func TestStoreInsertColumns(t *testing.T) {
 		entries[i].Offset = int64(100 + i)
 	}
 	before := dbNow(t, db.Pool)
-	stored, _, err := store.Insert(ctx, storeTopic, 2, entries)
+	n, err := store.Insert(ctx, storeTopic, 2, entries)
 	if err != nil {
 		t.Fatalf("Insert: %v", err)
 	}
 	after := dbNow(t, db.Pool)
-	if stored != int64(len(entries)) {
-		t.Errorf("Insert stored %d, want %d", stored, len(entries))
+	if n != (Inserted{Stored: int64(len(entries)), Rejected: 2}) {
+		t.Errorf("Insert = %+v, want %d stored, 2 of them rejected, none parked", n, len(entries))
 	}
 
 	rows := readRows(t, db.Pool, "true")
@@ -440,12 +440,12 @@ func TestStoreInsertSeqOrder(t *testing.T) {
 		}
 		entries[i] = e
 	}
-	stored, _, err := store.Insert(context.Background(), storeTopic, 0, entries)
+	got, err := store.Insert(context.Background(), storeTopic, 0, entries)
 	if err != nil {
 		t.Fatalf("Insert: %v", err)
 	}
-	if stored != n {
-		t.Fatalf("Insert stored %d, want %d", stored, n)
+	if got.Stored != n {
+		t.Fatalf("Insert stored %d, want %d", got.Stored, n)
 	}
 	rows := readRows(t, db.Pool, "true")
 	if len(rows) != n {
@@ -553,12 +553,12 @@ func TestStoreInsertIdempotent(t *testing.T) {
 						Schedule: Schedule{Target: "orders.created", BusinessKey: "k", Ordered: true, Delay: time.Minute},
 					}
 				}
-				stored, _, err := store.Insert(context.Background(), b.topic, b.partition, entries)
+				n, err := store.Insert(context.Background(), b.topic, b.partition, entries)
 				if err != nil {
 					t.Fatalf("batch %d: Insert: %v", i+1, err)
 				}
-				if stored != b.want {
-					t.Errorf("batch %d (%s/%d offsets %v): stored %d, want %d", i+1, b.topic, b.partition, b.offsets, stored, b.want)
+				if n.Stored != b.want {
+					t.Errorf("batch %d (%s/%d offsets %v): stored %d, want %d", i+1, b.topic, b.partition, b.offsets, n.Stored, b.want)
 				}
 			}
 			if n := countRows(t, db.Pool); n != tt.rows {
@@ -599,9 +599,9 @@ func TestStoreInsertIdempotent(t *testing.T) {
 
 	t.Run("empty batch", func(t *testing.T) {
 		// No database needed: nothing to store is not an error.
-		stored, _, err := (&Store{}).Insert(context.Background(), storeTopic, 0, nil)
-		if stored != 0 || err != nil {
-			t.Errorf("Insert of no entries = %d, %v; want 0, nil", stored, err)
+		n, err := (&Store{}).Insert(context.Background(), storeTopic, 0, nil)
+		if n != (Inserted{}) || err != nil {
+			t.Errorf("Insert of no entries = %+v, %v; want nothing, nil", n, err)
 		}
 	})
 }
@@ -644,12 +644,12 @@ func TestStoreRejectedHeaderKeys(t *testing.T) {
 			if rej.Code != "invalid_encoding" {
 				t.Fatalf("Parse rejected with %q, want invalid_encoding", rej.Code)
 			}
-			stored, _, err := NewStore(db.Pool).Insert(context.Background(), storeTopic, 0, []Entry{{Offset: 5, Record: rec, Schedule: sc, Reject: rej}})
+			n, err := NewStore(db.Pool).Insert(context.Background(), storeTopic, 0, []Entry{{Offset: 5, Record: rec, Schedule: sc, Reject: rej}})
 			if err != nil {
 				t.Fatalf("Insert: %v", err)
 			}
-			if stored != 1 {
-				t.Fatalf("Insert stored %d, want 1", stored)
+			if n != (Inserted{Stored: 1, Rejected: 1}) {
+				t.Fatalf("Insert = %+v, want 1 stored, rejected", n)
 			}
 			rows := readRows(t, db.Pool, "true")
 			if len(rows) != 1 {
@@ -693,10 +693,10 @@ func TestStoreOffsets(t *testing.T) {
 		}
 		return es
 	}
-	if _, _, err := store.Insert(ctx, storeTopic, 2, entries(5, 9)); err != nil {
+	if _, err := store.Insert(ctx, storeTopic, 2, entries(5, 9)); err != nil {
 		t.Fatal(err)
 	}
-	if _, _, err := store.Insert(ctx, storeTopic, 2, entries(0, 3)); err != nil {
+	if _, err := store.Insert(ctx, storeTopic, 2, entries(0, 3)); err != nil {
 		t.Fatal(err)
 	}
 	got, err := store.Offsets(ctx, storeTopic, []int32{1, 2, 3})

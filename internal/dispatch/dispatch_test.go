@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
@@ -25,9 +26,10 @@ func TestRecordHeaders(t *testing.T) {
 	h := func(k, v string) keylock.Header { return keylock.Header{Key: k, Value: []byte(v)} }
 	type hv struct{ k, v string }
 	tests := []struct {
-		name string
-		in   []keylock.Header
-		want []hv
+		name    string
+		in      []keylock.Header
+		redrive int32
+		want    []hv
 	}{
 		{
 			name: "one-shot headers removed, scheduler headers appended, others kept in order",
@@ -53,10 +55,31 @@ func TestRecordHeaders(t *testing.T) {
 			want: []hv{{"defer.target", "orders.retry"}, {"defer.id", "42"}, {"defer.seq", "7"}, {"defer.attempt", "3"},
 				{"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
 		},
+		{
+			name:    "redrive count appended for a replayed message",
+			in:      []keylock.Header{h("x", "y")},
+			redrive: 2,
+			want: []hv{{"x", "y"}, {"defer.id", "42"}, {"defer.seq", "7"}, {"defer.attempt", "3"},
+				{"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}, {"defer.redrive-count", "2"}},
+		},
+		{
+			name:    "redrive count replaced in place, extra copies dropped",
+			in:      []keylock.Header{h("x", "y"), h("defer.redrive-count", "1"), h("z", ""), h("defer.redrive-count", "9")},
+			redrive: 3,
+			want: []hv{{"x", "y"}, {"defer.redrive-count", "3"}, {"z", ""}, {"defer.id", "42"}, {"defer.seq", "7"},
+				{"defer.attempt", "3"}, {"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
+		},
+		{
+			name: "stale redrive count dropped when the message was never replayed",
+			in:   []keylock.Header{h("defer.redrive-count", "1"), h("x", "y")},
+			want: []hv{{"x", "y"}, {"defer.id", "42"}, {"defer.seq", "7"}, {"defer.attempt", "3"},
+				{"defer.scheduled-at", "2026-11-21T10:00:00.123456Z"}},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			pm := Record(keylock.Message{ID: 42, Seq: 7, Attempt: 2, Target: "orders.retry", NextRunAt: due, Headers: tt.in})
+			pm := Record(keylock.Message{ID: 42, Seq: 7, Attempt: 2, Target: "orders.retry", NextRunAt: due, Headers: tt.in,
+				RedriveCount: tt.redrive})
 			var got []hv
 			for _, rh := range pm.Headers {
 				got = append(got, hv{string(rh.Key), string(rh.Value)})
@@ -161,69 +184,85 @@ func TestRoundPublishesInKeyOrder(t *testing.T) {
 	mustEqual(t, "partition of "+string(first.Key), first.Partition, want)
 }
 
-// A target that does not exist parks only the messages sent to it.
-func TestUnknownTargetParksOnlyThatMessage(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	e.insert(
-		msg{key: str("a"), target: topicA, recKey: []byte("a"), value: []byte("a1")},
-		msg{key: str("b"), target: "orders.nosuchtopic", recKey: []byte("b"), value: []byte("b1")},
-		msg{key: str("b"), target: topicA, recKey: []byte("b"), value: []byte("b2")},
-		msg{key: str("c"), target: topicA, recKey: []byte("c"), value: []byte("c1")},
-	)
-	d := e.dispatcher("t1", time.Minute, allowAll)
-	e.drain(d, 20*time.Second)
-	got := col.wait(t, 3, 5*time.Second)
-	var values []string
-	for _, m := range got {
-		values = append(values, string(m.Value))
+// A message the dispatcher parks (the broker refuses it for good, or its
+// target may not be published to) holds its key when its park_holds_key
+// says so: the rest of the key waits, other keys flow, and deleting the
+// parked message lets the key go on. Otherwise the rest of the key goes on at
+// once.
+func TestDispatcherParksHoldOrReleaseKey(t *testing.T) {
+	cases := []struct {
+		name    string
+		target  string
+		value   []byte
+		allowed deferral.TargetPatterns
+		reason  string // LIKE pattern of the parked row's reason
+	}{
+		{name: "unknown topic", target: "orders.nosuchtopic", value: []byte("bad"), allowed: allowAll,
+			reason: "publish_failed: unknown_topic:%"},
+		{name: "target outside TARGET_TOPICS", target: topicB, value: []byte("forbidden"), allowed: deferral.TargetPatterns{"orders.*"},
+			reason: "target_not_allowed:%"},
+		{name: "invalid target name", target: "orders retry", value: []byte("bad"), allowed: allowAll,
+			reason: "invalid_target:%"},
+		{name: "too large", target: topicA, value: bytes.Repeat([]byte("x"), 1_100_000), allowed: allowAll,
+			reason: "publish_failed: too_large:%"},
 	}
-	slices.Sort(values)
-	mustEqual(t, "published", strings.Join(values, ","), "a1,b2,c1")
-	var state, reason string
-	if err := e.pool.QueryRow(context.Background(),
-		"SELECT state, reason FROM deferred_message WHERE target_topic = 'orders.nosuchtopic'").Scan(&state, &reason); err != nil {
-		t.Fatal(err)
-	}
-	mustEqual(t, "state", state, "parked")
-	if !strings.Contains(reason, "unknown_topic") {
-		t.Fatalf("reason %q does not say unknown_topic", reason)
-	}
-}
+	for _, tc := range cases {
+		for _, release := range []bool{false, true} {
+			name := tc.name + ", holds its key"
+			if release {
+				name = tc.name + ", releases its key"
+			}
+			t.Run(name, func(t *testing.T) {
+				e := newEnv(t)
+				col := e.collect(topicA, topicB)
+				ids := e.insert(
+					msg{key: str("k"), target: tc.target, recKey: []byte("k"), value: tc.value, release: release},
+					msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("after")},
+					msg{key: str("o"), target: topicA, recKey: []byte("o"), value: []byte("other")},
+				)
+				d := e.dispatcher("t1", time.Minute, tc.allowed)
+				e.drain(d, 20*time.Second)
+				want := []string{"other"}
+				if release {
+					want = []string{"after", "other"}
+				}
+				col.wait(t, len(want), 5*time.Second)
+				time.Sleep(200 * time.Millisecond) // anything more would show by now
+				got := col.snapshot()
+				var values []string
+				for _, m := range got {
+					values = append(values, string(m.Value))
+					mustEqual(t, "topic of "+string(m.Value), m.Topic, topicA)
+				}
+				slices.Sort(values)
+				if !slices.Equal(values, want) {
+					t.Fatalf("published %q, want %q", values, want)
+				}
+				mustEqual(t, "parked with the reason", e.count("id = $1 AND state = 'parked' AND reason LIKE $2", ids[0], tc.reason), 1)
+				var held bool
+				err := e.pool.QueryRow(context.Background(),
+					"SELECT held FROM deferred_key WHERE business_key = 'k' AND head_id = $1", ids[0]).Scan(&held)
+				if release {
+					if !errors.Is(err, pgx.ErrNoRows) {
+						t.Fatalf("key k still has a head after its parked message released it: held=%v err=%v", held, err)
+					}
+					return
+				}
+				if err != nil || !held {
+					t.Fatalf("key k is not held by its parked message: held=%v err=%v", held, err)
+				}
+				mustEqual(t, "messages waiting behind the held key", e.count("id = $1 AND state = 'pending'", ids[1]), 1)
 
-// An operator may point a row at any topic in SQL; dispatch checks the
-// allow-list again and parks instead of publishing outside it.
-func TestTargetOutsideAllowListParks(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA, topicB)
-	e.insert(
-		msg{key: str("a"), target: topicB, recKey: []byte("a"), value: []byte("forbidden")},
-		msg{key: str("a"), target: topicA, recKey: []byte("a"), value: []byte("allowed")},
-	)
-	d := e.dispatcher("t1", time.Minute, deferral.TargetPatterns{"orders.*"})
-	e.drain(d, 10*time.Second)
-	got := col.wait(t, 1, 5*time.Second)
-	time.Sleep(200 * time.Millisecond)
-	if got = col.snapshot(); len(got) != 1 || string(got[0].Value) != "allowed" || got[0].Topic != topicA {
-		t.Fatalf("published %s, want only 'allowed' on %s", fmtIDs(got), topicA)
+				// The operator deletes the parked message: the key goes on.
+				if _, err := e.pool.Exec(context.Background(), "DELETE FROM deferred_message WHERE id = $1", ids[0]); err != nil {
+					t.Fatal(err)
+				}
+				e.drain(d, 10*time.Second)
+				got = col.wait(t, 2, 5*time.Second)
+				mustEqual(t, "published after the delete", string(got[1].Value), "after")
+			})
+		}
 	}
-	mustEqual(t, "parked target_not_allowed", e.count("state = 'parked' AND reason LIKE 'target_not_allowed:%'"), 1)
-}
-
-// A record larger than the producer may send is parked with the reason;
-// the rest of the key goes on.
-func TestTooLargeParks(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	e.insert(
-		msg{key: str("big"), target: topicA, recKey: []byte("big"), value: bytes.Repeat([]byte("x"), 1_100_000)},
-		msg{key: str("big"), target: topicA, recKey: []byte("big"), value: []byte("small")},
-	)
-	d := e.dispatcher("t1", time.Minute, allowAll)
-	e.drain(d, 10*time.Second)
-	got := col.wait(t, 1, 5*time.Second)
-	mustEqual(t, "published", string(got[0].Value), "small")
-	mustEqual(t, "parked too_large", e.count("state = 'parked' AND reason LIKE '%too_large%'"), 1)
 }
 
 // Retriable produce errors are retried by the producer and lose nothing.

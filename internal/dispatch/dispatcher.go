@@ -6,6 +6,14 @@
 // publish happens outside the database, and a second short transaction
 // deletes what the broker acknowledged. A crash between the two republishes
 // after the lease expires, with the same defer.id (at-least-once).
+//
+// A message refused for good is parked; if its park_holds_key says so it
+// then holds its key, and nothing more of the key goes out until an operator
+// replays or deletes it. Targets with a rate limit (target_control) are
+// claimed apart, one message per token of a bucket all loops share. Each
+// process also publishes a dead-letter copy of every parked message whose
+// row names a dead-letter topic (see DeadLetter), and maintenance prunes the
+// attempt history past its retention.
 package dispatch
 
 import (
@@ -39,7 +47,15 @@ type Config struct {
 	// Metrics receives per-round counts and durations, and River job outcomes
 	// when this Config is a Runtime's; nil records nothing.
 	Metrics *metrics.Metrics
+	// MaxMessageBytes is the producer's Producer.MaxMessageBytes; zero means
+	// sarama's default (1 MiB). A message larger than that is parked before
+	// the publish rather than refused by the producer, so that when it holds
+	// its key nothing after it goes out in the same batch.
+	MaxMessageBytes int
 }
+
+// defaultMaxMessageBytes is sarama's default Producer.MaxMessageBytes.
+const defaultMaxMessageBytes = 1024 * 1024
 
 // Dispatcher runs claim, publish, finalize rounds for one loop.
 type Dispatcher struct {
@@ -59,7 +75,31 @@ type Dispatcher struct {
 	// afterPublish, when set (tests), runs between publish and finalize; an
 	// error stops the round there, as a crash would.
 	afterPublish func() error
+
+	// parked, when set, is called after a round parked messages (the
+	// Runtime's dead-letter publisher then looks at once).
+	parked func()
+
+	// limited caches the rate-limited targets for limitedFor (see
+	// limitedTargets): a round only pays for rate limits when some exist.
+	// limitedAt is when it was read; zero forces a read.
+	limited    []string
+	limitedAt  time.Time
+	limitedFor time.Duration
 }
+
+// defaultLimitedFor is how long a loop trusts its list of rate-limited
+// targets when no notification says otherwise. An operator's change to
+// target_control notifies (see sleep), so a new limit applies at once where
+// notifications work, and within this where they do not.
+const defaultLimitedFor = 200 * time.Millisecond
+
+// Bounds of the sleep of a loop waiting for a rate-limited target's next
+// token: short enough to keep the rate, long enough not to spin.
+const (
+	minTokenWait = 10 * time.Millisecond
+	maxTokenWait = time.Second
+)
 
 // New returns a Dispatcher. wake may be nil (no notifications).
 func New(locker *keylock.Locker, producer Producer, wake <-chan struct{}, cfg Config, logger *slog.Logger) (*Dispatcher, error) {
@@ -72,7 +112,11 @@ func New(locker *keylock.Locker, producer Producer, wake <-chan struct{}, cfg Co
 	if cfg.MaxBackoff <= 0 {
 		cfg.MaxBackoff = 5 * time.Second
 	}
-	return &Dispatcher{locker: locker, producer: producer, wake: wake, cfg: cfg, logger: logger, now: time.Now}, nil
+	if cfg.MaxMessageBytes <= 0 {
+		cfg.MaxMessageBytes = defaultMaxMessageBytes
+	}
+	return &Dispatcher{locker: locker, producer: producer, wake: wake, cfg: cfg, logger: logger, now: time.Now,
+		limitedFor: defaultLimitedFor}, nil
 }
 
 // errCrashed is returned by a round that a test hook stopped mid-way.
@@ -114,6 +158,10 @@ func (d *Dispatcher) Run(ctx context.Context, until time.Time, stop <-chan struc
 		} else if ok {
 			wait = min(wait, max(due, minIdle))
 		}
+		if st.Limited {
+			// Rate-limited work is due: come back for the next token.
+			wait = min(wait, max(minTokenWait, min(st.NextToken, maxTokenWait)))
+		}
 		d.sleep(ctx, until, stop, wait, true)
 	}
 	return nil
@@ -129,6 +177,11 @@ func closed(ch <-chan struct{}) bool {
 }
 
 // sleep waits for d, the loop's end, a stop, or (if wakeable) a notification.
+// A notification also drops the cached list of rate-limited targets: it may
+// be an operator's change to target_control (which notifies), and a target
+// that was just limited is skipped by the main claim at once, so it would
+// otherwise send nothing until the cache expired. Other notifications cost
+// one small read of target_control.
 func (d *Dispatcher) sleep(ctx context.Context, until time.Time, stop <-chan struct{}, dur time.Duration, wakeable bool) {
 	if left := until.Sub(d.now()); left < dur {
 		dur = left
@@ -145,6 +198,7 @@ func (d *Dispatcher) sleep(ctx context.Context, until time.Time, stop <-chan str
 	select {
 	case <-t.C:
 	case <-wake:
+		d.limitedAt = time.Time{}
 	case <-stop:
 	case <-ctx.Done():
 	}
@@ -156,6 +210,10 @@ type RoundStats struct {
 	Published int // messages the broker acknowledged
 	Parked    int // messages moved to the parking lot
 	Retry     int // keys backed off after a retriable error
+	// Limited says a rate-limited target had due work; NextToken is then how
+	// long until one of them has a token again.
+	Limited   bool
+	NextToken time.Duration
 }
 
 // batch is what a round publishes for one claimed key.
@@ -174,9 +232,13 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	if err != nil {
 		return RoundStats{}, err
 	}
-	st := RoundStats{Keys: len(claims)}
+	// A failure here must not strand the keys claimed above: they are
+	// published and finalized, and the error is returned after.
+	limitedClaims, st, limitErr := d.claimLimited(ctx)
+	claims = append(claims, limitedClaims...)
+	st.Keys = len(claims)
 	if len(claims) == 0 {
-		return st, nil
+		return st, limitErr
 	}
 
 	batches := make([]batch, len(claims))
@@ -184,9 +246,10 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	for i, c := range claims {
 		b := batch{claim: c, first: len(records)}
 		for _, m := range run(c.Messages) {
+			// Parking either holds the key or releases it (the message's
+			// park_holds_key), so stop the run here either way: what follows
+			// is claimed again next round, in order, if the key is free.
 			if reason := d.refuse(m.Target); reason != "" {
-				// Parking releases the key, so stop the run here: what follows
-				// is claimed again next round, in order.
 				d.logger.Warn("parking message whose target may not be published to", "id", m.ID,
 					"target", m.Target, "reason", reason)
 				// Such a target comes from a producer or an operator, not
@@ -195,8 +258,21 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 				b.parks = append(b.parks, keylock.Park{ID: m.ID, Reason: reason})
 				break
 			}
+			r := Record(m)
+			// The producer would refuse it too, but only after the records
+			// behind it in this batch were on their way.
+			if size := r.ByteSize(2); size > d.cfg.MaxMessageBytes {
+				err := sarama.ConfigurationError(fmt.Sprintf(
+					"Attempt to produce message larger than configured Producer.MaxMessageBytes: %d > %d", size, d.cfg.MaxMessageBytes))
+				_, reason := classify(err)
+				d.logger.Warn("parking message too large to publish", "id", m.ID, "target", m.Target, "reason", reason)
+				d.cfg.Metrics.PublishError(m.Target, publishErrorCode(err))
+				d.cfg.Metrics.Parked(m.Target, reason)
+				b.parks = append(b.parks, keylock.Park{ID: m.ID, Reason: reason})
+				break
+			}
 			b.msgs = append(b.msgs, m)
-			records = append(records, Record(m))
+			records = append(records, r)
 		}
 		batches[i] = b
 	}
@@ -237,13 +313,15 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 		out.Parked = append(out.Parked, b.parks...)
 		var lastErr error
 		var firstFailed int64
-		blocked := false
+		blocked, refused := false, false
 		for j, m := range b.msgs {
 			err, ok := failed[b.first+j]
 			if !ok {
-				if blocked {
+				if blocked || refused {
 					// An earlier message of this key failed and this one went out:
 					// it cannot be taken back, so keep it published and say so.
+					// (The broker refused part of one partition's batch; if the
+					// refused message holds its key, this one overtook it.)
 					d.logger.Warn("message published after an earlier one of its key failed",
 						"id", m.ID, "target", m.Target)
 				}
@@ -258,6 +336,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 				mx.PublishError(m.Target, publishErrorCode(err))
 				mx.Parked(m.Target, reason)
 				out.Parked = append(out.Parked, keylock.Park{ID: m.ID, Reason: reason})
+				refused = true
 				continue
 			}
 			mx.PublishError(m.Target, "retriable")
@@ -294,13 +373,70 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 				st.Published, err)
 		}
 	}
+	if st.Parked > 0 && d.parked != nil {
+		d.parked()
+	}
 	took := d.now().Sub(start)
 	mx.Round(took)
 	// One line per round that did something (empty rounds return above), so
 	// the log follows the work, not the polling.
 	d.logger.Info("dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
 		"retry", st.Retry, "duration", took)
-	return st, nil
+	return st, limitErr
+}
+
+// limitedTargets returns the rate-limited targets, read at most once per
+// limitedFor unless a notification came (see sleep).
+func (d *Dispatcher) limitedTargets(ctx context.Context) ([]string, error) {
+	if now := d.now(); d.limitedAt.IsZero() || now.Sub(d.limitedAt) >= d.limitedFor {
+		targets, err := d.locker.LimitedTargets(ctx)
+		if err != nil {
+			return nil, err
+		}
+		d.limited, d.limitedAt = targets, now
+	}
+	return d.limited, nil
+}
+
+// claimLimited claims due heads of rate-limited targets, one message per
+// token: it takes tokens for every limited target with due work, claims at
+// most that many heads of each, and gives back the tokens it could not use
+// (heads held by other loops, or gone). The stats say whether any limited
+// target had due work and how long until the next token. When no target is
+// limited it costs nothing but a cached lookup.
+func (d *Dispatcher) claimLimited(ctx context.Context) ([]keylock.Claim, RoundStats, error) {
+	var st RoundStats
+	targets, err := d.limitedTargets(ctx)
+	if err != nil || len(targets) == 0 {
+		return nil, st, err
+	}
+	grants, err := d.locker.TakeTokens(ctx, targets, d.cfg.BatchKeys)
+	if err != nil {
+		return nil, st, err
+	}
+	var claims []keylock.Claim
+	var errs []error
+	unused := map[string]int{}
+	for _, g := range grants {
+		if !st.Limited || g.NextToken < st.NextToken {
+			st.NextToken = g.NextToken
+		}
+		st.Limited = true
+		if g.Taken == 0 {
+			continue
+		}
+		got, err := d.locker.ClaimTarget(ctx, g.Taken, g.Target)
+		if err != nil {
+			errs = append(errs, err)
+		}
+		claims = append(claims, got...)
+		unused[g.Target] = g.Taken - len(got)
+	}
+	if err := d.locker.ReturnTokens(ctx, unused); err != nil {
+		// Lost tokens only slow the target down until its bucket refills.
+		errs = append(errs, err)
+	}
+	return claims, st, errors.Join(errs...)
 }
 
 // refuse says why target must not be published to, or "" if it may.

@@ -94,6 +94,11 @@ type msg struct {
 	value   []byte
 	hkeys   []string
 	hvals   [][]byte
+	// release: once parked, the message releases its key (park_holds_key
+	// false) instead of holding it.
+	release bool
+	redrive int    // redrive_count
+	dlq     string // dlq_topic; "": none
 }
 
 func str(s string) *string { return &s }
@@ -112,10 +117,12 @@ func (e *env) insert(rows ...msg) []int64 {
 			seq = &r.seq
 		}
 		err := e.pool.QueryRow(context.Background(), `
-			INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, attempt, key, value, header_keys, header_values)
-			VALUES ($1, coalesce($2, nextval('deferred_message_seq')), $3, now() + $4::interval, $5, $6, $7, $8, $9)
+			INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, attempt, key, value, header_keys, header_values,
+				park_holds_key, redrive_count, dlq_topic)
+			VALUES ($1, coalesce($2, nextval('deferred_message_seq')), $3, now() + $4::interval, $5, $6, $7, $8, $9,
+				$10, $11, nullif($12, ''))
 			RETURNING id`,
-			r.key, seq, r.target, r.in, r.attempt, r.recKey, r.value, r.hkeys, r.hvals).Scan(&ids[i])
+			r.key, seq, r.target, r.in, r.attempt, r.recKey, r.value, r.hkeys, r.hvals, !r.release, r.redrive, r.dlq).Scan(&ids[i])
 		if err != nil {
 			e.t.Fatalf("insert %+v: %v", r, err)
 		}
@@ -133,6 +140,8 @@ func (e *env) count(where string, args ...any) int {
 }
 
 // drain runs rounds until nothing is due, or fails after the timeout.
+// Messages waiting behind a key held by a parked message do not count: they
+// are not due to go.
 func (e *env) drain(d *Dispatcher, within time.Duration) {
 	e.t.Helper()
 	deadline := time.Now().Add(within)
@@ -141,17 +150,22 @@ func (e *env) drain(d *Dispatcher, within time.Duration) {
 		if err != nil {
 			e.t.Fatalf("round: %v", err)
 		}
-		if st.Keys == 0 && e.count("state = 'pending' AND next_run_at <= now()") == 0 {
+		if st.Keys == 0 && e.count(dueNotHeld) == 0 {
 			return
 		}
 		if time.Now().After(deadline) {
-			e.t.Fatalf("still %d due messages after %v", e.count("state = 'pending' AND next_run_at <= now()"), within)
+			e.t.Fatalf("still %d due messages after %v", e.count(dueNotHeld), within)
 		}
 		if st.Keys == 0 {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
 }
+
+// dueNotHeld selects the pending due messages of keys not held by a parked
+// message.
+const dueNotHeld = `state = 'pending' AND next_run_at <= now() AND (business_key IS NULL OR NOT EXISTS (
+	SELECT FROM deferred_key k WHERE k.business_key = deferred_message.business_key AND k.held))`
 
 // collector reads every partition of some topics from the oldest offset.
 type collector struct {

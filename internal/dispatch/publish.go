@@ -61,61 +61,189 @@ func MaxPublishDuration(c *sarama.Config) time.Duration {
 	return tries*(step+c.Producer.Retry.Backoff) + (tries+1)*c.Metadata.Timeout
 }
 
-// scheduledHeaders are the headers the scheduler writes on every republished
-// record, in the order they are appended.
-func scheduledHeaders() [4]string {
-	return [4]string{deferral.HeaderID, deferral.HeaderSeq, deferral.HeaderAttempt, deferral.HeaderScheduledAt}
+// Headers the scheduler writes on dead-letter copies only (see DeadLetter),
+// next to the control headers of internal/defer.
+const (
+	// HeaderDLQReason is the parked message's reason ("code: detail").
+	HeaderDLQReason = "defer.dlq.reason"
+	// HeaderParkedAt is when the message was parked, RFC 3339.
+	HeaderParkedAt = "defer.parked-at"
+	// HeaderSourceTopic, HeaderSourcePartition and HeaderSourceOffset say
+	// where the message was read in the defer topic; absent for a row an
+	// operator inserted by hand.
+	HeaderSourceTopic     = "defer.source.topic"
+	HeaderSourcePartition = "defer.source.partition"
+	HeaderSourceOffset    = "defer.source.offset"
+)
+
+// editMode says what rewriteHeaders does with one header name.
+type editMode int
+
+const (
+	// set: the first occurrence takes the value in place, later ones are
+	// dropped, and the header is appended if absent.
+	set editMode = iota
+	// replace: every occurrence takes the value; nothing is appended.
+	replace
+	// drop: every occurrence is removed.
+	drop
+)
+
+// headerEdit is one change rewriteHeaders makes.
+type headerEdit struct {
+	name  string
+	value []byte
+	mode  editMode
 }
 
-// Record builds the republished record for m (DESIGN.md section 2): same key,
-// value and headers in the same order, except that defer.at and defer.delay
-// are removed (they are one-shot), defer.id, defer.seq, defer.attempt and
-// defer.scheduled-at are set (in place where the input had them, appended
-// otherwise; extra copies dropped), and defer.target is set to the row's
-// target, which differs from the header only after an operator edited it.
-func Record(m keylock.Message) *sarama.ProducerMessage {
-	names := scheduledHeaders()
-	values := [len(names)][]byte{
-		[]byte(strconv.FormatInt(m.ID, 10)),
-		[]byte(strconv.FormatInt(m.Seq, 10)),
-		[]byte(strconv.FormatInt(int64(m.Attempt)+1, 10)),
-		[]byte(m.NextRunAt.UTC().Format(time.RFC3339Nano)),
+// setOrDrop is a set of name to *value, or a drop when value is nil (the
+// row has no such value, so a stale header must not survive).
+func setOrDrop(name string, value *string) headerEdit {
+	if value == nil {
+		return headerEdit{name: name, mode: drop}
 	}
-	var written [len(names)]bool
-	out := make([]sarama.RecordHeader, 0, len(m.Headers)+len(names))
-	for _, h := range m.Headers {
-		switch h.Key {
-		case deferral.HeaderAt, deferral.HeaderDelay:
-			continue
-		case deferral.HeaderTarget:
-			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: []byte(m.Target)})
-			continue
-		}
-		i := slices.Index(names[:], h.Key)
+	return headerEdit{name: name, value: []byte(*value), mode: set}
+}
+
+// rewriteHeaders returns in with edits applied, keeping every other header
+// byte for byte and in order. Headers that are set but were absent are
+// appended in the order of edits.
+func rewriteHeaders(in []keylock.Header, edits []headerEdit) []sarama.RecordHeader {
+	written := make([]bool, len(edits))
+	out := make([]sarama.RecordHeader, 0, len(in)+len(edits))
+	for _, h := range in {
+		i := slices.IndexFunc(edits, func(e headerEdit) bool { return e.name == h.Key })
 		if i < 0 {
 			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: h.Value})
 			continue
 		}
-		if !written[i] {
-			out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: values[i]})
-			written[i] = true
+		e := edits[i]
+		switch {
+		case e.mode == drop, e.mode == set && written[i]:
+			continue
+		}
+		out = append(out, sarama.RecordHeader{Key: []byte(h.Key), Value: e.value})
+		written[i] = true
+	}
+	for i, e := range edits {
+		if e.mode == set && !written[i] {
+			out = append(out, sarama.RecordHeader{Key: []byte(e.name), Value: e.value})
 		}
 	}
-	for i, name := range names {
-		if !written[i] {
-			out = append(out, sarama.RecordHeader{Key: []byte(name), Value: values[i]})
-		}
+	return out
+}
+
+// redriveEdit sets defer.redrive-count to n, or removes a stale copy when n
+// is 0: the header says the message went round the parking lot.
+func redriveEdit(n int32) headerEdit {
+	if n <= 0 {
+		return headerEdit{name: deferral.HeaderRedriveCount, mode: drop}
 	}
-	pm := &sarama.ProducerMessage{Topic: m.Target, Headers: out}
-	// A nil key must stay nil (no key, random partition); an empty key is a
-	// key and hashes like one.
-	if m.Key != nil {
-		pm.Key = sarama.ByteEncoder(m.Key)
+	return headerEdit{name: deferral.HeaderRedriveCount, value: []byte(strconv.FormatInt(int64(n), 10)), mode: set}
+}
+
+// Record builds the republished record for m (DESIGN.md section 2): same key,
+// value and headers in the same order, except that defer.at and defer.delay
+// are removed (they are one-shot), and so is defer.signature (it covers
+// headers removed or rewritten here, so it could not verify; defer.source
+// stays, and a consumer that defers the record again signs it anew),
+// defer.id, defer.seq, defer.attempt and defer.scheduled-at are set (in
+// place where the input had them, appended otherwise; extra copies
+// dropped), defer.redrive-count likewise when the message was replayed out
+// of the parking lot (and removed when it was not), and defer.target is set
+// to the row's target, which differs from the header only after an
+// operator edited it.
+func Record(m keylock.Message) *sarama.ProducerMessage {
+	headers := rewriteHeaders(m.Headers, []headerEdit{
+		{name: deferral.HeaderAt, mode: drop},
+		{name: deferral.HeaderDelay, mode: drop},
+		{name: deferral.HeaderSignature, mode: drop},
+		{name: deferral.HeaderTarget, value: []byte(m.Target), mode: replace},
+		{name: deferral.HeaderID, value: []byte(strconv.FormatInt(m.ID, 10))},
+		{name: deferral.HeaderSeq, value: []byte(strconv.FormatInt(m.Seq, 10))},
+		{name: deferral.HeaderAttempt, value: []byte(strconv.FormatInt(int64(m.Attempt)+1, 10))},
+		{name: deferral.HeaderScheduledAt, value: []byte(m.NextRunAt.UTC().Format(time.RFC3339Nano))},
+		redriveEdit(m.RedriveCount),
+	})
+	return record(m.Target, m.Key, m.Value, headers)
+}
+
+// record assembles a producer message. A nil key must stay nil (no key,
+// random partition); an empty key is a key and hashes like one.
+func record(topic string, key, value []byte, headers []sarama.RecordHeader) *sarama.ProducerMessage {
+	pm := &sarama.ProducerMessage{Topic: topic, Headers: headers}
+	if key != nil {
+		pm.Key = sarama.ByteEncoder(key)
 	}
-	if m.Value != nil {
-		pm.Value = sarama.ByteEncoder(m.Value)
+	if value != nil {
+		pm.Value = sarama.ByteEncoder(value)
 	}
 	return pm
+}
+
+// Parked is a parked message whose dead-letter copy is due, as read by
+// dlq_claim.sql.
+type Parked struct {
+	ID           int64
+	Seq          int64
+	Target       *string
+	Attempt      int32
+	RedriveCount int32
+	DLQTopic     string
+	Reason       *string
+	ErrorClass   *string
+	ErrorMessage *string
+	ParkedAt     *time.Time
+	// Source coordinates in the defer topic; nil for a row inserted by hand.
+	SourceTopic     *string
+	SourcePartition *int32
+	SourceOffset    *int64
+	Key, Value      []byte
+	Headers         []keylock.Header
+}
+
+// DeadLetter builds the dead-letter copy of p for p.DLQTopic: the record key
+// and value, the stored headers in order with the control headers made
+// current (defer.target the row's target, defer.id, defer.seq, defer.attempt
+// the stored attempt, not incremented: nothing was retried; defer.redrive-count
+// as on output), the one-shot defer.at and defer.delay and, as on output,
+// defer.signature removed, and the failure context: defer.dlq.reason,
+// defer.error.class and defer.error.message (the row's values; removed
+// where the row has none), defer.parked-at, and where it was read in the
+// defer topic (defer.source.*, when known). A header of one of these names
+// that the producer sent is replaced in place.
+func DeadLetter(p Parked) *sarama.ProducerMessage {
+	var parkedAt, partition, offset *string
+	if p.ParkedAt != nil {
+		s := p.ParkedAt.UTC().Format(time.RFC3339Nano)
+		parkedAt = &s
+	}
+	if p.SourcePartition != nil {
+		s := strconv.FormatInt(int64(*p.SourcePartition), 10)
+		partition = &s
+	}
+	if p.SourceOffset != nil {
+		s := strconv.FormatInt(*p.SourceOffset, 10)
+		offset = &s
+	}
+	headers := rewriteHeaders(p.Headers, []headerEdit{
+		{name: deferral.HeaderAt, mode: drop},
+		{name: deferral.HeaderDelay, mode: drop},
+		{name: deferral.HeaderSignature, mode: drop},
+		setOrDrop(deferral.HeaderTarget, p.Target),
+		{name: deferral.HeaderID, value: []byte(strconv.FormatInt(p.ID, 10))},
+		{name: deferral.HeaderSeq, value: []byte(strconv.FormatInt(p.Seq, 10))},
+		{name: deferral.HeaderAttempt, value: []byte(strconv.FormatInt(int64(p.Attempt), 10))},
+		redriveEdit(p.RedriveCount),
+		setOrDrop(HeaderDLQReason, p.Reason),
+		setOrDrop(deferral.HeaderErrorClass, p.ErrorClass),
+		setOrDrop(deferral.HeaderErrorMessage, p.ErrorMessage),
+		setOrDrop(HeaderParkedAt, parkedAt),
+		setOrDrop(HeaderSourceTopic, p.SourceTopic),
+		setOrDrop(HeaderSourcePartition, partition),
+		setOrDrop(HeaderSourceOffset, offset),
+	})
+	return record(p.DLQTopic, p.Key, p.Value, headers)
 }
 
 // errorKind says what a failed publish means for the message.

@@ -58,8 +58,10 @@ func (LoopArgs) InsertOpts() river.InsertOpts {
 }
 
 // MaintenanceArgs is the periodic housekeeping job: sweep expired leases,
-// forget long-dead processes, and re-create any loop slot that went missing
-// (a run discarded after too many failures, say).
+// repair stale throttled flags of key heads, forget long-dead processes,
+// prune the attempt history past its retention,
+// and re-create any loop slot that went missing (a run discarded after too
+// many failures, say).
 type MaintenanceArgs struct{}
 
 // Kind implements river.JobArgs.
@@ -89,6 +91,9 @@ type RuntimeConfig struct {
 	MaintenanceInterval time.Duration
 	// PollOnly makes River poll instead of LISTEN (PgBouncer transaction mode).
 	PollOnly bool
+	// HistoryRetention is how long deferred_attempt rows are kept; zero keeps
+	// them forever.
+	HistoryRetention time.Duration
 	// Dispatch configures each loop. Its Metrics also counts the outcomes of
 	// the River jobs this process works.
 	Dispatch Config
@@ -105,9 +110,13 @@ type Runtime struct {
 
 	stop     chan struct{}
 	stopOnce sync.Once
-	// liveness stops the heartbeat goroutine; done says it has returned.
+	// liveness stops the heartbeat and dead-letter goroutines; done says
+	// both have returned.
 	liveness     context.CancelFunc
 	livenessDone chan struct{}
+	// dlqWake makes the dead-letter publisher look at once (a loop parked
+	// something). It holds one wake-up; more coalesce.
+	dlqWake chan struct{}
 	// unsubscribe ends the job-outcome subscription; eventsDone says its
 	// reader has returned.
 	unsubscribe func()
@@ -129,7 +138,8 @@ func NewRuntime(pool *pgxpool.Pool, producer Producer, waker *Waker, cfg Runtime
 	case cfg.MaintenanceInterval <= 0:
 		return nil, fmt.Errorf("dispatch: maintenance interval %v must be positive", cfg.MaintenanceInterval)
 	}
-	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger, stop: make(chan struct{})}
+	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger, stop: make(chan struct{}),
+		dlqWake: make(chan struct{}, 1)}
 
 	workers := river.NewWorkers()
 	if err := river.AddWorkerSafely(workers, &loopWorker{rt: rt}); err != nil {
@@ -144,6 +154,10 @@ func NewRuntime(pool *pgxpool.Pool, producer Producer, waker *Waker, cfg Runtime
 			QueueMaintenance: {MaxWorkers: 1},
 		},
 		Workers: workers,
+		// River's daily REINDEX needs to own the indexes, which the
+		// least-privilege service role (sql/roles) does not, and river_job
+		// here holds a few hundred loop and maintenance jobs at most.
+		ReindexerIndexNames: []string{},
 		PeriodicJobs: []*river.PeriodicJob{
 			river.NewPeriodicJob(river.PeriodicInterval(cfg.MaintenanceInterval),
 				func() (river.JobArgs, *river.InsertOpts) { return MaintenanceArgs{}, nil },
@@ -199,14 +213,33 @@ func (rt *Runtime) Start(ctx context.Context) error {
 	}
 	lctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	rt.liveness, rt.livenessDone = cancel, make(chan struct{})
-	go rt.heartbeat(lctx)
+	dlqDone := make(chan struct{})
+	go func() {
+		defer close(dlqDone)
+		// The claim lease outlasts the longest publish (LEASE_DURATION is
+		// checked against it), so it serves the copies' leases too.
+		newDeadLetters(rt.pool, rt.producer, rt.cfg.Dispatch.Metrics, rt.cfg.Lease, rt.logger.With("component", "dlq")).
+			run(lctx, rt.dlqWake)
+	}()
+	go func() {
+		rt.heartbeat(lctx)
+		<-dlqDone
+		close(rt.livenessDone)
+	}()
 	return nil
+}
+
+// parked wakes the dead-letter publisher.
+func (rt *Runtime) parked() {
+	select {
+	case rt.dlqWake <- struct{}{}:
+	default:
+	}
 }
 
 // heartbeat keeps this process marked alive and, every few beats, reaps the
 // loops of processes that stopped beating.
 func (rt *Runtime) heartbeat(ctx context.Context) {
-	defer close(rt.livenessDone)
 	t := time.NewTicker(heartbeatEvery)
 	defer t.Stop()
 	for beat := 1; ; beat++ {
@@ -271,8 +304,9 @@ func (rt *Runtime) EnsureLoops(ctx context.Context) error {
 // River, waiting until ctx is done at most.
 //
 // If River does not stop in time (a loop is stuck publishing), Stop returns
-// its error and keeps heartbeating, since that loop still holds leases and
-// uses the producer: the caller must not close the producer then.
+// its error and keeps heartbeating (and publishing dead-letter copies), since
+// that loop still holds leases and uses the producer: the caller must not
+// close the producer then.
 func (rt *Runtime) Stop(ctx context.Context) error {
 	rt.stopOnce.Do(func() { close(rt.stop) })
 	if err := rt.client.Stop(ctx); err != nil {
@@ -281,7 +315,13 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 	rt.stopCountingJobOutcomes()
 	if rt.liveness != nil {
 		rt.liveness()
-		<-rt.livenessDone
+		// The dead-letter publisher may be inside a publish that cannot be
+		// cancelled; the caller's deadline wins over waiting for it.
+		select {
+		case <-rt.livenessDone:
+		case <-ctx.Done():
+			return fmt.Errorf("stop heartbeat and dead-letter publisher: %w", ctx.Err())
+		}
 	}
 	if _, err := rt.pool.Exec(context.WithoutCancel(ctx), schedsql.InstanceLeave, rt.client.ID()); err != nil {
 		return fmt.Errorf("deregister instance: %w", err)
@@ -372,6 +412,7 @@ func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
 		return err
 	}
 	d.afterPublish = rt.afterPublish
+	d.parked = rt.parked
 	if err := d.Run(ctx, time.Now().Add(rt.cfg.LoopDuration), rt.stop); err != nil {
 		return err
 	}
@@ -405,8 +446,48 @@ func (w *maintenanceWorker) Work(ctx context.Context, _ *river.Job[MaintenanceAr
 	if swept > 0 {
 		w.rt.logger.Info("released expired leases", "keys", swept)
 	}
+	repaired, rerr := keylock.SweepThrottled(ctx, w.rt.pool)
+	if repaired > 0 {
+		// Only a race between an operator's change to target_control and a
+		// head write leaves a flag stale; worth seeing if it is frequent.
+		w.rt.logger.Info("repaired throttled flags of key heads", "keys", repaired)
+	}
+	err = errors.Join(err, rerr)
 	if _, perr := w.rt.pool.Exec(ctx, schedsql.InstancePrune); perr != nil {
 		err = errors.Join(err, fmt.Errorf("prune instances: %w", perr))
 	}
+	if retention := w.rt.cfg.HistoryRetention; retention > 0 {
+		pruned, perr := pruneHistory(ctx, w.rt.pool, retention, historyPruneBatch, historyPruneBatches)
+		if pruned > 0 {
+			w.rt.logger.Info("pruned attempt history", "rows", pruned, "older_than", retention)
+		}
+		err = errors.Join(err, perr)
+	}
 	return errors.Join(err, w.rt.EnsureLoops(ctx))
+}
+
+// History pruning deletes this many rows per statement, and at most this
+// many statements per maintenance run; a backlog larger than that (the
+// retention was just lowered) goes over the next runs.
+const (
+	historyPruneBatch   = 10000
+	historyPruneBatches = 1000
+)
+
+// pruneHistory deletes deferred_attempt rows older than retention, batch
+// rows per statement (each its own transaction), until a statement deletes
+// fewer than batch or maxBatches ran. It returns how many rows went.
+func pruneHistory(ctx context.Context, pool *pgxpool.Pool, retention time.Duration, batch, maxBatches int) (int64, error) {
+	var total int64
+	for range maxBatches {
+		var n int64
+		if err := pool.QueryRow(ctx, schedsql.HistoryPrune, retention, batch).Scan(&n); err != nil {
+			return total, fmt.Errorf("prune attempt history older than %v (%d rows pruned so far): %w", retention, total, err)
+		}
+		total += n
+		if n < int64(batch) {
+			break
+		}
+	}
+	return total, nil
 }

@@ -42,6 +42,11 @@ func SASLMechanisms() []string { return []string{"PLAIN", "SCRAM-SHA-256", "SCRA
 
 // Config returns a sarama configuration for s. The errors name the setting at
 // fault.
+//
+// Connections are opened by the configuration's Net.Proxy.Dialer, which does
+// the TLS handshake when s.TLS is set (Net.TLS stays disabled): callers must
+// not replace it, and may shorten Net.DialTimeout, which bounds TCP and TLS
+// together.
 func (s Settings) Config() (*sarama.Config, error) {
 	c := sarama.NewConfig()
 	v, err := sarama.ParseKafkaVersion(s.Version)
@@ -55,14 +60,21 @@ func (s Settings) Config() (*sarama.Config, error) {
 	if s.Timeout > 0 {
 		c.Net.DialTimeout, c.Net.ReadTimeout, c.Net.WriteTimeout = s.Timeout, s.Timeout, s.Timeout
 	}
+	// The dialer does TLS itself, so that it can tell a refused handshake or
+	// credential from a dropped connection (see dialer); Net.TLS stays off.
+	d := &dialer{conf: c, mech: s.SASLMechanism, user: s.SASLUser}
 	if s.TLS {
 		tc, err := s.tlsConfig()
 		if err != nil {
 			return nil, err
 		}
-		c.Net.TLS.Enable = true
-		c.Net.TLS.Config = tc
+		d.tls, d.ca = tc, "the system roots"
+		if s.TLSCAFile != "" {
+			d.ca = s.TLSCAFile
+		}
 	}
+	c.Net.Proxy.Enable = true
+	c.Net.Proxy.Dialer = d
 	switch s.SASLMechanism {
 	case "":
 	case "PLAIN":

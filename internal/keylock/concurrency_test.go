@@ -67,8 +67,10 @@ func holdKey(c keylock.Claim) string {
 }
 
 // TestConcurrentInvariants runs ingest-style inserts, several Lockers
-// claiming and finalizing, and operator SQL (expedite, delay, park, replay,
-// cancel, re-key, re-seq) against the same few keys at once, and checks:
+// claiming and finalizing (parking some messages, which then hold their
+// keys), and operator SQL (expedite, delay, park with and without holding the
+// key, hold or release a parked message's key, replay, cancel, re-key,
+// re-seq) against the same few keys at once, and checks:
 //   - at every committed snapshot (sampled) and at the end, deferred_key is
 //     exactly the brute-force recomputation of the heads;
 //   - no two claims ever held the same key at the same time (leases are long,
@@ -116,6 +118,8 @@ func TestConcurrentInvariants(t *testing.T) {
 		insertDeadlocks, finalizeDeadlocks    atomic.Int64
 		opDeadlocks, snapshotChecks           atomic.Int64
 		snapshotFailures                      atomic.Int64
+		// Snapshots in which some key was held by a parked message.
+		heldSnapshots atomic.Int64
 	)
 	failed := func(format string, args ...any) {
 		t.Errorf(format, args...)
@@ -123,7 +127,9 @@ func TestConcurrentInvariants(t *testing.T) {
 	}
 
 	// (a) Ingest: batches of 1-4 messages, some unordered, some with an
-	// explicit low seq (a re-deferral), due from a little ago to a little later.
+	// explicit low seq (a re-deferral), due from a little ago to a little
+	// later, a few parked at once (a retry policy said exhausted), holding
+	// their key or not.
 	for w := range 2 {
 		wg.Add(1)
 		go func() {
@@ -134,7 +140,11 @@ func TestConcurrentInvariants(t *testing.T) {
 				bk := make([]*string, n)
 				seqs := make([]*int64, n)
 				offs := make([]int32, n)
+				parked := make([]bool, n)
+				holds := make([]bool, n)
 				for i := range n {
+					parked[i] = rng.IntN(10) == 0
+					holds[i] = rng.IntN(2) == 0
 					if rng.IntN(7) > 0 {
 						bk[i] = &keys[rng.IntN(len(keys))]
 					}
@@ -148,10 +158,12 @@ func TestConcurrentInvariants(t *testing.T) {
 				err := retryDeadlock(&insertDeadlocks, func() error {
 					// Keep the backlog bounded, so that the run stays about
 					// contention on a few keys rather than a growing table.
-					tag, err := pool.Exec(tctx, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at)
-						SELECT k, coalesce(s, nextval('deferred_message_seq')), 't', now() + o * interval '1 millisecond'
-						FROM unnest($1::text[], $2::bigint[], $3::int[]) AS r (k, s, o)
-						WHERE (SELECT count(*) FROM deferred_message) < 300`, bk, seqs, offs)
+					tag, err := pool.Exec(tctx, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at,
+							state, reason, park_holds_key)
+						SELECT k, coalesce(s, nextval('deferred_message_seq')), 't', now() + o * interval '1 millisecond',
+							CASE WHEN p THEN 'parked' ELSE 'pending' END, CASE WHEN p THEN 'exhausted: test' END, h
+						FROM unnest($1::text[], $2::bigint[], $3::int[], $4::bool[], $5::bool[]) AS r (k, s, o, p, h)
+						WHERE (SELECT count(*) FROM deferred_message) < 300`, bk, seqs, offs, parked, holds)
 					added = tag.RowsAffected()
 					return err
 				})
@@ -237,13 +249,16 @@ func TestConcurrentInvariants(t *testing.T) {
 				var sql string
 				args := []any{}
 				replay, disturb := false, false
-				switch rng.IntN(10) {
+				switch rng.IntN(12) {
 				case 0:
 					sql, args = `UPDATE deferred_message SET next_run_at = now() WHERE business_key = $1 AND state = 'pending'`, []any{key}
 				case 1:
 					sql = `UPDATE deferred_message SET next_run_at = now() + interval '50 milliseconds' WHERE id IN (` + pick + `2)`
 				case 2:
-					sql, disturb = `UPDATE deferred_message SET state = 'parked', reason = 'operator' WHERE id IN (`+pick+`2) RETURNING id`, true
+					// Half the parks hold their key (a parked head then
+					// blocks the key), half release it.
+					sql, disturb = `UPDATE deferred_message SET state = 'parked', reason = 'operator', park_holds_key = random() < 0.5
+						WHERE id IN (`+pick+`2) RETURNING id`, true
 				case 3:
 					sql, replay = `UPDATE deferred_message SET state = 'pending', next_run_at = now()
 						WHERE id IN (SELECT id FROM deferred_message WHERE state = 'parked' ORDER BY random() LIMIT 3) RETURNING id`, true
@@ -257,6 +272,14 @@ func TestConcurrentInvariants(t *testing.T) {
 					sql, disturb = `UPDATE deferred_message SET business_key = NULL WHERE id IN (`+pick+`1) RETURNING id`, true
 				case 8:
 					sql = `UPDATE deferred_message SET seq = seq - 500000 WHERE id IN (` + pick + `1)`
+				case 9:
+					// Hold or release keys with messages already parked.
+					sql = `UPDATE deferred_message SET park_holds_key = NOT park_holds_key
+						WHERE id IN (SELECT id FROM deferred_message WHERE state = 'parked' ORDER BY random() LIMIT 2)`
+				case 10:
+					// Replay the parked messages holding keys: the keys flow again.
+					sql, replay = `UPDATE deferred_message SET state = 'pending', next_run_at = now()
+						WHERE id IN (SELECT head_id FROM deferred_key WHERE held ORDER BY random() LIMIT 2) RETURNING id`, true
 				default:
 					sql, args = `UPDATE deferred_message SET error_message = 'still failing' WHERE business_key = $1`, []any{key}
 				}
@@ -302,8 +325,17 @@ func TestConcurrentInvariants(t *testing.T) {
 			err := pgx.BeginTxFunc(tctx, pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly},
 				func(tx pgx.Tx) error {
 					var err error
-					diff, err = headsDiff(tctx, tx)
-					return err
+					if diff, err = headsDiff(tctx, tx); err != nil {
+						return err
+					}
+					var held bool
+					if err := tx.QueryRow(tctx, "SELECT EXISTS (SELECT FROM deferred_key WHERE held)").Scan(&held); err != nil {
+						return err
+					}
+					if held {
+						heldSnapshots.Add(1)
+					}
+					return nil
 				})
 			if err != nil {
 				failed("snapshot check: %v", err)
@@ -324,6 +356,10 @@ func TestConcurrentInvariants(t *testing.T) {
 		insertDeadlocks.Load(), finalizeDeadlocks.Load(), opDeadlocks.Load())
 	if claimsN.Load() == 0 || published.Load() == 0 || inserted.Load() == 0 {
 		t.Fatalf("the run did no work")
+	}
+	t.Logf("%d of %d snapshots had a key held by a parked message", heldSnapshots.Load(), snapshotChecks.Load())
+	if heldSnapshots.Load() == 0 {
+		t.Fatalf("no key was ever held by a parked message; the run did not test holding")
 	}
 
 	assertHeadsMatch(t, pool)
@@ -380,8 +416,17 @@ func TestConcurrentInvariants(t *testing.T) {
 	t.Logf("%d holds on %d keys, %d messages claimed, %d replayed; %d concurrent holds after an operator removed a held key's messages",
 		len(holds), len(byKey), len(byID), len(replayed), operatorOverlaps)
 
-	// Everything still pending can be drained (keys backing off after a
-	// retry become claimable within their 20ms back-off).
+	var heldKeys int
+	if err := pool.QueryRow(tctx, "SELECT count(*) FROM deferred_key WHERE held").Scan(&heldKeys); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d keys held by a parked message at the end", heldKeys)
+
+	// Everything still pending can be drained once no parked message holds
+	// its key (keys backing off after a retry become claimable within their
+	// 20ms back-off).
+	mustExec(t, pool, "UPDATE deferred_message SET park_holds_key = false WHERE state = 'parked'")
+	assertHeadsMatch(t, pool)
 	mustExec(t, pool, "UPDATE deferred_message SET next_run_at = now() WHERE state = 'pending'")
 	drain := newLocker(t, pool, "drain", time.Minute, 100)
 	eventually(t, 20*time.Second, "the backlog to drain", func() bool {

@@ -108,16 +108,164 @@ func TestHeadsDerived(t *testing.T) {
 			want:  []string{"a@2", "b@3"},
 		},
 		{
-			name:  "park the head",
+			name:  "park the head: it holds the key (park_holds_key defaults to true)",
 			setup: []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now() + interval '1 hour')`},
 			stmts: []string{`UPDATE deferred_message SET state = 'parked', reason = 'op' WHERE seq = 1`},
+			want:  []string{"a@1!"},
+		},
+		{
+			name:  "park the head with park_holds_key false: the key goes on",
+			setup: []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now() + interval '1 hour')`},
+			stmts: []string{`UPDATE deferred_message SET state = 'parked', reason = 'op', park_holds_key = false WHERE seq = 1`},
 			want:  []string{"a@2"},
 		},
 		{
-			name:  "park every message of a key",
+			name:  "park a message behind the head: the head stays, not held",
+			setup: []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now())`},
+			stmts: []string{`UPDATE deferred_message SET state = 'parked' WHERE seq = 2`},
+			want:  []string{"a@1"},
+		},
+		{
+			name: "publish the head in front of a parked message: the parked one holds the key",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('a', 3, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 2`,
+			},
+			stmts: []string{`DELETE FROM deferred_message WHERE seq = 1`},
+			want:  []string{"a@2!"},
+		},
+		{
+			name:  "park every message of a key: the lowest holds it; unordered parked rows hold nothing",
 			setup: []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now()), (NULL, 3, 't', now())`},
 			stmts: []string{`UPDATE deferred_message SET state = 'parked'`},
+			want:  []string{"a@1!"},
+		},
+		{
+			name:  "park every message of a key without holding: no head left",
+			setup: []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now()), (NULL, 3, 't', now())`},
+			stmts: []string{`UPDATE deferred_message SET state = 'parked', park_holds_key = false`},
 			want:  nil,
+		},
+		{
+			name: "clear park_holds_key on a held head: the key goes on",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now() + interval '1 hour')`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			stmts: []string{`UPDATE deferred_message SET park_holds_key = false WHERE seq = 1`},
+			want:  []string{"a@2"},
+		},
+		{
+			name: "set park_holds_key on a parked row ahead of the head: it holds the key",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now() + interval '1 hour')`,
+				`UPDATE deferred_message SET state = 'parked', park_holds_key = false WHERE seq = 1`,
+			},
+			stmts: []string{`UPDATE deferred_message SET park_holds_key = true WHERE seq = 1`},
+			want:  []string{"a@1!"},
+		},
+		{
+			name:      "flip park_holds_key on pending rows leaves deferred_key untouched",
+			setup:     []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now()), (NULL, 3, 't', now())`},
+			stmts:     []string{`UPDATE deferred_message SET park_holds_key = NOT park_holds_key`},
+			untouched: true,
+			want:      []string{"-@3", "a@1"},
+		},
+		{
+			name: "replay a held head: the key flows again from it",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('a', 3, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			stmts: []string{`UPDATE deferred_message SET state = 'pending', next_run_at = now() WHERE seq = 1`},
+			want:  []string{"a@1"},
+		},
+		{
+			name: "delete a held head: the next message becomes the head",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now() + interval '1 hour')`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			stmts: []string{`DELETE FROM deferred_message WHERE seq = 1`},
+			want:  []string{"a@2"},
+		},
+		{
+			name: "delete a held key's only message: the key row goes",
+			setup: []string{
+				cols + `('a', 1, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			stmts: []string{`DELETE FROM deferred_message WHERE seq = 1`},
+			want:  nil,
+		},
+		{
+			name: "insert behind a held head: the key stays held",
+			setup: []string{
+				cols + `('a', 5, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 5`,
+			},
+			stmts: []string{cols + `('a', 9, 't', now()), ('a', 7, 't', now() - interval '1 hour')`},
+			want:  []string{"a@5!"},
+		},
+		{
+			name:  "insert a parked holding row with a lower seq than the pending head: it holds the key",
+			setup: []string{cols + `('a', 10, 't', now())`},
+			stmts: []string{`INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, state, reason)
+				VALUES ('a', 3, 't', now(), 'parked', 'exhausted: 5 retries')`},
+			want: []string{"a@3!"},
+		},
+		{
+			name:  "insert a parked row that does not hold with a lower seq: the pending head stays",
+			setup: []string{cols + `('a', 10, 't', now())`},
+			stmts: []string{`INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, state, reason, park_holds_key)
+				VALUES ('a', 3, 't', now(), 'parked', 'exhausted: 5 retries', false)`},
+			want: []string{"a@10"},
+		},
+		{
+			name: "insert parked rows into a new key and unordered: only the ordered holding one makes a head",
+			stmts: []string{`INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, state, reason, park_holds_key) VALUES
+				('n', 4, 't', now(), 'parked', 'permanent: x', true), ('n', 2, 't', now(), 'parked', 'permanent: x', false),
+				(NULL, 6, 't', now(), 'parked', 'permanent: x', true)`},
+			want: []string{"n@4!"},
+		},
+		{
+			name:  "park an unordered message: it holds nothing and its head goes",
+			setup: []string{cols + `(NULL, 1, 't', now()), (NULL, 2, 't', now())`},
+			stmts: []string{`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`},
+			want:  []string{"-@2"},
+		},
+		{
+			name:  "multiple parked rows of one key: the lowest holds",
+			setup: []string{cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('a', 3, 't', now())`},
+			stmts: []string{`UPDATE deferred_message SET state = 'parked' WHERE seq IN (2, 1)`},
+			want:  []string{"a@1!"},
+		},
+		{
+			name: "multiple parked rows of one key: deleting the lowest leaves the next holding",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('a', 3, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq IN (1, 2)`,
+			},
+			stmts: []string{`DELETE FROM deferred_message WHERE seq = 1`},
+			want:  []string{"a@2!"},
+		},
+		{
+			name: "multiple parked rows of one key: replaying a later one leaves the key held",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('a', 3, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq IN (1, 2)`,
+			},
+			stmts: []string{`UPDATE deferred_message SET state = 'pending' WHERE seq = 2`},
+			want:  []string{"a@1!"},
+		},
+		{
+			name: "multiple parked rows of one key: replaying all releases it in seq order",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('a', 3, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq IN (1, 2)`,
+			},
+			stmts: []string{`UPDATE deferred_message SET state = 'pending' WHERE state = 'parked'`},
+			want:  []string{"a@1"},
 		},
 		{
 			name: "replay a parked message ahead of the head",
@@ -136,6 +284,24 @@ func TestHeadsDerived(t *testing.T) {
 			},
 			stmts: []string{`UPDATE deferred_message SET state = 'pending', next_run_at = now() WHERE state = 'parked' AND target_topic = 't'`},
 			want:  []string{"-@2", "a@1"},
+		},
+		{
+			name: "move a held head to another key: both keys follow",
+			setup: []string{
+				cols + `('a', 1, 't', now()), ('a', 2, 't', now()), ('b', 3, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			stmts: []string{`UPDATE deferred_message SET business_key = 'b' WHERE seq = 1`},
+			want:  []string{"a@2", "b@1!"},
+		},
+		{
+			name: "change the target of a held head",
+			setup: []string{
+				cols + `('a', 1, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			stmts: []string{`UPDATE deferred_message SET target_topic = 'u' WHERE seq = 1`},
+			want:  []string{"a@1!"},
 		},
 		{
 			name: "rejected rows never make heads",
@@ -236,6 +402,13 @@ func TestHeadsDerived(t *testing.T) {
 			},
 			want: []string{"a@10"},
 		},
+		{
+			name:      "lease survives a park that holds the key",
+			setup:     []string{cols + `('a', 10, 't', now()), ('a', 11, 't', now())`},
+			leaseKeys: []string{"a"},
+			stmts:     []string{`UPDATE deferred_message SET state = 'parked' WHERE seq = 10`},
+			want:      []string{"a@10!"},
+		},
 	}
 	// One database; each case runs in a transaction that is rolled back, so
 	// the cases cannot see each other. The triggers are statement-level, so a
@@ -314,6 +487,11 @@ func TestHeadsDiffDetects(t *testing.T) {
 		{"extra key", `INSERT INTO deferred_key (business_key, head_id, head_seq, next_run_at) VALUES ('ghost', 99, 99, now())`},
 		{"duplicate unordered head", `INSERT INTO deferred_key (business_key, head_id, head_seq, next_run_at) SELECT NULL, head_id, head_seq, next_run_at FROM deferred_key WHERE business_key IS NULL`},
 		{"head of a parked message", `UPDATE deferred_message SET state = 'parked' WHERE seq = 3; ALTER TABLE deferred_message DISABLE TRIGGER USER; UPDATE deferred_message SET state = 'parked' WHERE seq = 1`},
+		{"head of a parked message that does not hold", `ALTER TABLE deferred_message DISABLE TRIGGER USER; UPDATE deferred_message SET state = 'parked', park_holds_key = false WHERE seq = 1`},
+		{"held flag on a pending head", `UPDATE deferred_key SET held = true WHERE business_key = 'a'`},
+		{"held head with a finite due time", `UPDATE deferred_message SET state = 'parked' WHERE seq = 1; UPDATE deferred_key SET next_run_at = now() WHERE business_key = 'a'`},
+		{"held head that lost its flag", `UPDATE deferred_message SET state = 'parked' WHERE seq = 1; UPDATE deferred_key SET held = false WHERE business_key = 'a'`},
+		{"key released although its parked head holds it", `UPDATE deferred_message SET state = 'parked' WHERE seq = 1; UPDATE deferred_key SET head_id = (SELECT id FROM deferred_message WHERE seq = 2), head_seq = 2, held = false, next_run_at = now() WHERE business_key = 'a'`},
 	}
 	db := pgtest.NewDB(t)
 	for _, tt := range tests {

@@ -53,29 +53,39 @@ func newLockerBackoff(t testing.TB, pool *pgxpool.Pool, owner string, lease time
 }
 
 // headsDiffSQL compares deferred_key with a brute-force recomputation of the
-// heads from deferred_message (DESIGN.md section 4): the pending message with
-// the lowest (seq, id) of each business key, and every pending unordered
-// message. Each returned row is one difference; none means they agree
-// exactly, duplicates included.
+// heads from deferred_message (DESIGN.md section 4, migration 0002): per
+// business key, the message with the lowest (seq, id) among those pending or
+// parked with park_holds_key; if that message is parked the key is held
+// (held = true, next_run_at 'infinity'). Every pending unordered message is a
+// head of its own; unordered parked messages hold nothing. A head that is not
+// held is throttled when target_control pauses or rate-limits its target.
+// Each returned row is one difference; none means they agree exactly,
+// duplicates included.
 const headsDiffSQL = `
-WITH expected AS (
-    (SELECT DISTINCT ON (business_key) business_key, id AS head_id, seq AS head_seq, next_run_at, target_topic AS head_target
+WITH throttling AS (
+    SELECT target_topic FROM target_control WHERE paused OR rate_limit IS NOT NULL
+), expected AS (
+    (SELECT DISTINCT ON (business_key) business_key, id AS head_id, seq AS head_seq,
+            CASE WHEN state = 'parked' THEN 'infinity' ELSE next_run_at END AS next_run_at,
+            target_topic AS head_target, state = 'parked' AS held,
+            state = 'pending' AND target_topic IN (SELECT target_topic FROM throttling) AS throttled
      FROM deferred_message
-     WHERE state = 'pending' AND business_key IS NOT NULL
+     WHERE (state = 'pending' OR (state = 'parked' AND park_holds_key)) AND business_key IS NOT NULL
      ORDER BY business_key, seq, id)
     UNION ALL
-    SELECT business_key, id, seq, next_run_at, target_topic
+    SELECT business_key, id, seq, next_run_at, target_topic, false,
+           target_topic IN (SELECT target_topic FROM throttling)
     FROM deferred_message
     WHERE state = 'pending' AND business_key IS NULL
 ), actual AS (
-    SELECT business_key, head_id, head_seq, next_run_at, head_target FROM deferred_key
+    SELECT business_key, head_id, head_seq, next_run_at, head_target, held, throttled FROM deferred_key
 ), diff AS (
     SELECT 'missing from deferred_key' AS kind, * FROM (SELECT * FROM expected EXCEPT ALL SELECT * FROM actual) e
     UNION ALL
     SELECT 'unexpected in deferred_key', * FROM (SELECT * FROM actual EXCEPT ALL SELECT * FROM expected) a
 )
-SELECT format('%s: key=%s head_id=%s head_seq=%s next_run_at=%s head_target=%s', kind,
-              coalesce(quote_literal(business_key), 'NULL'), head_id, head_seq, next_run_at, head_target)
+SELECT format('%s: key=%s head_id=%s head_seq=%s next_run_at=%s head_target=%s held=%s throttled=%s', kind,
+              coalesce(quote_literal(business_key), 'NULL'), head_id, head_seq, next_run_at, head_target, held, throttled)
 FROM diff
 ORDER BY business_key, head_id, kind`
 
@@ -103,8 +113,8 @@ func assertHeadsMatch(t testing.TB, q querier) {
 
 func dumpMessages(t testing.TB, q querier) string {
 	t.Helper()
-	rows, err := q.Query(t.Context(), `SELECT format('  id=%s key=%s seq=%s state=%s next_run_at=%s', id,
-		coalesce(quote_literal(business_key), 'NULL'), seq, state, next_run_at)
+	rows, err := q.Query(t.Context(), `SELECT format('  id=%s key=%s seq=%s state=%s holds=%s next_run_at=%s', id,
+		coalesce(quote_literal(business_key), 'NULL'), seq, state, park_holds_key, next_run_at)
 		FROM deferred_message ORDER BY business_key, seq, id LIMIT 50`)
 	if err != nil {
 		return err.Error()
@@ -117,12 +127,13 @@ func dumpMessages(t testing.TB, q querier) string {
 }
 
 // headSummary lists deferred_key as "key@head_seq" (unordered heads as
-// "-@head_seq"), sorted: a compact, exact statement of which messages are
-// heads when tests give each message a distinct seq.
+// "-@head_seq"; a key held by a parked message as "key@head_seq!"), sorted: a
+// compact, exact statement of which messages are heads when tests give each
+// message a distinct seq.
 func headSummary(t testing.TB, q querier) []string {
 	t.Helper()
 	rows, err := q.Query(t.Context(),
-		`SELECT coalesce(business_key, '-') || '@' || head_seq FROM deferred_key`)
+		`SELECT coalesce(business_key, '-') || '@' || head_seq || CASE WHEN held THEN '!' ELSE '' END FROM deferred_key`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -2,7 +2,9 @@
 // guarantee: for one business key, messages are republished in seq order.
 //
 // The database keeps one row per business key in deferred_key, holding the
-// key's head (its pending message with the lowest seq) and a lease. Triggers
+// key's head (its pending message with the lowest seq, or a parked message
+// ahead of those that holds the key: the key is then held, never due, until
+// an operator replays or deletes that message) and a lease. Triggers
 // on deferred_message keep the heads true for every statement, including an
 // operator's plain SQL, so this package only claims and releases leases:
 //
@@ -22,6 +24,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -43,9 +46,12 @@ type Message struct {
 	Target    string
 	NextRunAt time.Time
 	Attempt   int32
-	Key       []byte // nil: the record had no key
-	Value     []byte // nil: a tombstone
-	Headers   []Header
+	// RedriveCount is how many times an operator replayed the message's
+	// lineage out of the parking lot.
+	RedriveCount int32
+	Key          []byte // nil: the record had no key
+	Value        []byte // nil: a tombstone
+	Headers      []Header
 }
 
 // Claim is one leased key with its due messages in order.
@@ -127,11 +133,37 @@ func New(pool *pgxpool.Pool, cfg Config) (*Locker, error) {
 func (l *Locker) Lease() time.Duration { return l.cfg.Lease }
 
 // Claim leases up to maxKeys due keys and returns them with their due
-// messages. A claimed key whose messages vanished (an operator changed them
-// after the head was read) is released at once and not returned.
+// messages. Keys whose head goes to a paused or rate-limited target are left
+// alone (see ClaimTarget for the latter). A claimed key whose messages
+// vanished (an operator changed them after the head was read) is released at
+// once and not returned.
 func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
-	rows, err := l.pool.Query(ctx, schedsql.DispatchClaim, maxKeys, l.cfg.Lease, l.cfg.PerKey, l.cfg.Owner)
+	return l.claim(ctx, maxKeys, l.cfg.PerKey, nil)
+}
+
+// ClaimTarget leases up to maxKeys due keys whose head goes to target, which
+// must not be paused, and returns them with one message each: the caller
+// took one token of the target's rate limit per key it asks for (see
+// TakeTokens), and one token pays for one message.
+func (l *Locker) ClaimTarget(ctx context.Context, maxKeys int, target string) ([]Claim, error) {
+	return l.claim(ctx, maxKeys, 1, &target)
+}
+
+// claim runs dispatch_claim.sql or, if only is not nil, dispatch_claim_target.sql
+// for that target. Two statements rather than one with an optional target:
+// each names its partial index's predicate (deferred_key.throttled) as a
+// constant, so that even a generic plan of the prepared statement can use
+// that index.
+func (l *Locker) claim(ctx context.Context, maxKeys, perKey int, only *string) ([]Claim, error) {
+	query, args := schedsql.DispatchClaim, []any{maxKeys, l.cfg.Lease, perKey, l.cfg.Owner}
+	if only != nil {
+		query, args = schedsql.DispatchClaimTarget, append(args, *only)
+	}
+	rows, err := l.pool.Query(ctx, query, args...)
 	if err != nil {
+		if only != nil {
+			return nil, fmt.Errorf("claim due keys of rate-limited target %q: %w", *only, err)
+		}
 		return nil, fmt.Errorf("claim due keys: %w", err)
 	}
 	defer rows.Close()
@@ -146,11 +178,12 @@ func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
 			target      *string
 			nextRunAt   *time.Time
 			attempt     *int32
+			redrives    *int32
 			key, value  []byte
 			hkeys       []string
 			hvals       [][]byte
 		)
-		if err := rows.Scan(&businessKey, &headID, &id, &seq, &target, &nextRunAt, &attempt,
+		if err := rows.Scan(&businessKey, &headID, &id, &seq, &target, &nextRunAt, &attempt, &redrives,
 			&key, &value, &hkeys, &hvals); err != nil {
 			return nil, fmt.Errorf("read claimed message: %w", err)
 		}
@@ -180,7 +213,7 @@ func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
 			claims = append(claims, c)
 		}
 		m := Message{ID: *id, Seq: *seq, Target: *target, NextRunAt: *nextRunAt, Attempt: *attempt,
-			Key: key, Value: value, Headers: make([]Header, len(hkeys))}
+			RedriveCount: *redrives, Key: key, Value: value, Headers: make([]Header, len(hkeys))}
 		for i := range hkeys {
 			m.Headers[i] = Header{Key: hkeys[i], Value: hvals[i]}
 		}
@@ -259,7 +292,10 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 
 // NextDue returns how long until the earliest head that nobody holds is due
 // (0 if due now), and false when there is none: nothing pending, or every
-// head held or backing off (the caller then falls back to its poll interval).
+// head leased, backing off, held by a parked message or of a paused target
+// (the caller then falls back to its poll interval). Due heads of
+// rate-limited targets do not count: their pace is their tokens' (see
+// TakeTokens).
 func (l *Locker) NextDue(ctx context.Context) (time.Duration, bool, error) {
 	var secs float64
 	err := l.pool.QueryRow(ctx, schedsql.DispatchNextDue).Scan(&secs)
@@ -269,8 +305,28 @@ func (l *Locker) NextDue(ctx context.Context) (time.Duration, bool, error) {
 	if err != nil {
 		return 0, false, fmt.Errorf("read next due time: %w", err)
 	}
-	return time.Duration(secs * float64(time.Second)), true, nil
+	return seconds(secs), true, nil
 }
+
+// seconds converts a number of seconds read from the database to a
+// Duration, clamped to [0, the longest Duration]. A head due in the year
+// 9999, or a rate limit of 1e-12 per second, is further away than a
+// Duration can say, and converting an out-of-range float to an integer
+// gives an undefined value (on amd64 the most negative Duration, which
+// would make a loop sleep its shortest and spin).
+func seconds(secs float64) time.Duration {
+	switch {
+	case math.IsNaN(secs) || secs <= 0:
+		return 0
+	case secs >= maxDurationSeconds:
+		return time.Duration(math.MaxInt64)
+	}
+	return time.Duration(secs * float64(time.Second))
+}
+
+// maxDurationSeconds is the whole seconds a Duration can hold: any float
+// below it converts without overflow.
+const maxDurationSeconds = float64(math.MaxInt64 / int64(time.Second))
 
 // SweepExpired clears leases that expired, returning how many. Claims do not
 // depend on it; it keeps leased_by truthful for operators.
@@ -280,4 +336,16 @@ func SweepExpired(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
 		return 0, fmt.Errorf("sweep expired leases: %w", err)
 	}
 	return tag.RowsAffected(), nil
+}
+
+// SweepThrottled repairs deferred_key.throttled flags that a race between an
+// operator's change to target_control and a concurrent head write left
+// stale, returning how many it changed (see dispatch_throttle_sweep.sql). It
+// reads all of deferred_key: run it from periodic maintenance.
+func SweepThrottled(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var n int64
+	if err := pool.QueryRow(ctx, schedsql.DispatchThrottleSweep).Scan(&n); err != nil {
+		return 0, fmt.Errorf("repair throttled flags of key heads: %w", err)
+	}
+	return n, nil
 }

@@ -95,11 +95,29 @@ func TestClaim(t *testing.T) {
 			want: []string{"-:1", "-:2"},
 		},
 		{
-			name: "parked and rejected messages neither block nor join a run",
+			name: "a parked message that holds its key ends the run and blocks the key; rejected ones do neither",
 			setup: []string{ins + `('a', 1, 't', now(), 'pending'), ('a', 2, 't', now(), 'parked'), ('a', 3, NULL, now(), 'rejected'),
-				('a', 4, 't', now(), 'pending'), ('b', 0, 't', now(), 'parked'), ('b', 5, 't', now(), 'pending')`},
+				('a', 4, 't', now(), 'pending'), ('b', 0, 't', now(), 'parked'), ('b', 5, 't', now(), 'pending'),
+				('c', 6, 't', now(), 'pending'), ('c', 7, NULL, now(), 'rejected'), ('c', 8, 't', now(), 'pending')`},
+			perKey: 10, maxKeys: 10,
+			want: []string{"a:1", "c:6,8"},
+		},
+		{
+			name: "parked messages that do not hold their key neither block nor join a run",
+			setup: []string{
+				ins + `('a', 1, 't', now(), 'pending'), ('a', 2, 't', now(), 'parked'), ('a', 3, NULL, now(), 'rejected'),
+				('a', 4, 't', now(), 'pending'), ('b', 0, 't', now(), 'parked'), ('b', 5, 't', now(), 'pending')`,
+				`UPDATE deferred_message SET park_holds_key = false WHERE state = 'parked'`,
+			},
 			perKey: 10, maxKeys: 10,
 			want: []string{"a:1,4", "b:5"},
+		},
+		{
+			name: "a parked message ahead of a due run stops it even when the run is claimed from a head before it",
+			setup: []string{ins + `('h', 1, 't', now() - interval '1 minute', 'pending'), ('h', 2, 't', now() - interval '1 minute', 'pending'),
+				('h', 3, 't', now() - interval '1 minute', 'parked'), ('h', 4, 't', now() - interval '1 minute', 'pending')`},
+			perKey: 10, maxKeys: 10,
+			want: []string{"h:1,2"},
 		},
 		{
 			name: "maxKeys takes the earliest heads",
@@ -349,14 +367,72 @@ func TestFinalize(t *testing.T) {
 	if l := leaseOf(t, db.Pool, "a"); !l.Found || l.By != nil || l.Until != nil {
 		t.Errorf("key a after finalize: %v, want released", l)
 	}
+	// The parked messages hold their keys (park_holds_key defaults to true):
+	// a waits behind 2, b behind 5.
+	if got, want := headSummary(t, db.Pool), []string{"a@2!", "b@5!"}; !slices.Equal(got, want) {
+		t.Errorf("heads after finalize = %q, want %q", got, want)
+	}
+	other := newLocker(t, db.Pool, "b", time.Hour, 3)
+	if next, err := other.Claim(t.Context(), 10); err != nil || len(next) > 0 {
+		t.Errorf("claims behind held keys = %q, %v; want none", claimSummary(t, next), err)
+	}
 
-	// Released at once: another holder claims the rest without waiting.
-	next, err := newLocker(t, db.Pool, "b", time.Hour, 3).Claim(t.Context(), 10)
+	// Released at once when the parked message does not hold its key:
+	// another holder claims the rest without waiting.
+	mustExec(t, db.Pool, `UPDATE deferred_message SET park_holds_key = false WHERE state = 'parked'`)
+	next, err := other.Claim(t.Context(), 10)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got, want := claimSummary(t, next), []string{"a:3,4"}; !slices.Equal(got, want) {
 		t.Errorf("claims after finalize = %q, want %q", got, want)
+	}
+}
+
+// TestHeldKeyReplayFlowsInOrder: a key held by a parked head publishes
+// nothing, whatever is due behind it; replaying the parked message lets the
+// whole key out again in seq order, the replayed message first.
+func TestHeldKeyReplayFlowsInOrder(t *testing.T) {
+	db := pgtest.NewDB(t)
+	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
+		('k', 1, 't', now() - interval '1 minute'), ('k', 2, 't', now() - interval '2 minutes'),
+		('k', 3, 't', now() - interval '3 minutes'), ('other', 4, 't', now())`)
+	l := newLocker(t, db.Pool, "me", time.Hour, 10)
+	claims, err := l.Claim(t.Context(), 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := claimSummary(t, claims), []string{"k:1,2,3", "other:4"}; !slices.Equal(got, want) {
+		t.Fatalf("claims = %q, want %q", got, want)
+	}
+	var ids []int64
+	for _, c := range claims {
+		for _, m := range c.Messages {
+			ids = append(ids, m.ID)
+		}
+	}
+	// The broker refuses k's first message for good; the rest is not sent.
+	if err := l.Finalize(t.Context(), claims, keylock.Outcome{
+		Published: ids[3:], Parked: []keylock.Park{{ID: ids[0], Reason: "publish_failed: too_large: x"}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	assertHeadsMatch(t, db.Pool)
+	for range 3 {
+		if got, err := l.Claim(t.Context(), 10); err != nil || len(got) > 0 {
+			t.Fatalf("claims while k is held = %q, %v; want none", claimSummary(t, got), err)
+		}
+	}
+	if due, ok, err := l.NextDue(t.Context()); err != nil || ok {
+		t.Fatalf("NextDue while the only key is held = %v, %v, %v; want none", due, ok, err)
+	}
+	mustExec(t, db.Pool, `UPDATE deferred_message SET state = 'pending', next_run_at = now() WHERE id = $1`, ids[0])
+	claims, err = l.Claim(t.Context(), 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := claimSummary(t, claims), []string{"k:1,2,3"}; !slices.Equal(got, want) {
+		t.Errorf("claims after replay = %q, want %q", got, want)
 	}
 }
 

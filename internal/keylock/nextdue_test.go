@@ -2,6 +2,7 @@ package keylock_test
 
 import (
 	"context"
+	"math"
 	"slices"
 	"testing"
 	"time"
@@ -22,8 +23,9 @@ func TestNextDue(t *testing.T) {
 	}{
 		{name: "nothing pending", wantOK: false},
 		{
-			name:  "only parked and rejected messages",
-			setup: []string{`INSERT INTO deferred_message (business_key, target_topic, next_run_at, state) VALUES ('a', 't', now(), 'parked'), (NULL, NULL, now(), 'rejected')`},
+			name: "only parked and rejected messages",
+			setup: []string{`INSERT INTO deferred_message (business_key, target_topic, next_run_at, state) VALUES
+				('a', 't', now(), 'parked'), (NULL, 't', now(), 'parked'), (NULL, NULL, now(), 'rejected')`},
 		},
 		{name: "a future head", setup: []string{ins + `('a', 1, 't', now() + interval '10 seconds')`}, wantOK: true, want: 10 * time.Second},
 		{name: "a due head is 0", setup: []string{ins + `('a', 1, 't', now() + interval '10 seconds'), ('b', 2, 't', now() - interval '1 hour')`}, wantOK: true, want: 0},
@@ -54,6 +56,46 @@ func TestNextDue(t *testing.T) {
 			wantOK: true, want: 3 * time.Second,
 		},
 		{
+			name: "a key held by a parked message is never due",
+			setup: []string{
+				ins + `('held', 1, 't', now() - interval '1 hour'), ('held', 2, 't', now() - interval '1 hour'), ('b', 3, 't', now() + interval '8 seconds')`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			wantOK: true, want: 8 * time.Second,
+		},
+		{
+			name: "only held keys",
+			setup: []string{
+				ins + `('held', 1, 't', now()), ('held', 2, 't', now())`,
+				`UPDATE deferred_message SET state = 'parked' WHERE seq = 1`,
+			},
+			wantOK: false,
+		},
+		{
+			name: "heads of a paused target are skipped",
+			setup: []string{
+				ins + `('p', 1, 'paused.t', now() - interval '1 hour'), ('b', 2, 't', now() + interval '6 seconds')`,
+				`INSERT INTO target_control (target_topic, paused) VALUES ('paused.t', true)`,
+			},
+			wantOK: true, want: 6 * time.Second,
+		},
+		{
+			name: "due heads of a rate-limited target are skipped",
+			setup: []string{
+				ins + `('r', 1, 'limited.t', now() - interval '1 hour'), ('b', 2, 't', now() + interval '4 seconds')`,
+				`INSERT INTO target_control (target_topic, rate_limit) VALUES ('limited.t', 10)`,
+			},
+			wantOK: true, want: 4 * time.Second,
+		},
+		{
+			name: "a future head of a rate-limited target counts",
+			setup: []string{
+				ins + `('r', 1, 'limited.t', now() + interval '3 seconds'), ('b', 2, 't', now() + interval '9 seconds')`,
+				`INSERT INTO target_control (target_topic, rate_limit) VALUES ('limited.t', 10)`,
+			},
+			wantOK: true, want: 3 * time.Second,
+		},
+		{
 			name: "only leased heads",
 			setup: []string{
 				ins + `('a', 1, 't', now()), (NULL, 2, 't', now())`,
@@ -61,12 +103,41 @@ func TestNextDue(t *testing.T) {
 			},
 			wantOK: false,
 		},
+		{
+			// Further away than a Duration can say: the longest Duration,
+			// not an overflow into a negative wait that would spin the loop.
+			name:   "a head due in the year 9999",
+			setup:  []string{ins + `('a', 1, 't', '9999-12-31 00:00:00+00')`},
+			wantOK: true, want: time.Duration(math.MaxInt64),
+		},
+		{
+			name: "a rate-limited target's future head among other limited targets' due backlogs",
+			setup: []string{
+				ins + `('r1', 1, 'limited.a', now() - interval '1 hour'), ('r2', 2, 'limited.b', now() - interval '1 hour'),
+					('r3', 3, 'limited.b', now() + interval '7 seconds'), ('p', 4, 'paused.t', now() + interval '2 seconds')`,
+				`INSERT INTO target_control (target_topic, rate_limit, paused) VALUES
+					('limited.a', 10, false), ('limited.b', 10, false), ('paused.t', 10, true)`,
+			},
+			wantOK: true, want: 7 * time.Second,
+		},
+		{
+			// A race with the pause left the head unflagged (see migration
+			// 0002): the claim's safety net also keeps it out of NextDue.
+			name: "an unflagged head of a paused target is skipped",
+			setup: []string{
+				ins + `('p', 1, 'paused.t', now() - interval '1 hour'), ('b', 2, 't', now() + interval '5 seconds')`,
+				`INSERT INTO target_control (target_topic, paused) VALUES ('paused.t', true)`,
+				`UPDATE deferred_key SET throttled = false`,
+			},
+			wantOK: true, want: 5 * time.Second,
+		},
 	}
 	db := pgtest.NewDB(t)
 	l := newLocker(t, db.Pool, "me", time.Minute, 10)
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			reset(t, db.Pool)
+			mustExec(t, db.Pool, "DELETE FROM target_control")
 			for _, s := range tt.setup {
 				mustExec(t, db.Pool, s)
 			}

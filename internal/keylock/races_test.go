@@ -77,21 +77,47 @@ func wait(t *testing.T, what string, done <-chan error) error {
 // message must end up with a key row. A third session holding a weak lock on
 // the key row (as any Claim, release or refresh briefly does) lines the two
 // up deterministically: the cancel's refresh waits for the lock first, the
-// replay's refresh queues behind it.
+// replay's refresh queues behind it. The parked message does not hold its key
+// (a holding one would keep the key row, which is then merely updated).
 func TestRefreshWhileKeyRowDeleted(t *testing.T) {
 	db := pgtest.NewDB(t)
 	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
 		('k', 1, 't', now()), ('k', 2, 't', now())`)
-	mustExec(t, db.Pool, `UPDATE deferred_message SET state = 'parked' WHERE seq = 2`)
+	mustExec(t, db.Pool, `UPDATE deferred_message SET state = 'parked', park_holds_key = false WHERE seq = 2`)
+	refreshRace(t, db.Pool, "FOR KEY SHARE")
+	if got := headSummary(t, db.Pool); len(got) != 1 || got[0] != "k@2" {
+		t.Errorf("heads = %q, want [k@2]", got)
+	}
+}
 
-	holder, canceller, replayer := newSession(t, db.Pool), newSession(t, db.Pool), newSession(t, db.Pool)
+// TestRefreshHeldKeyRace is TestRefreshWhileKeyRowDeleted with a parked
+// message that holds its key: cancelling the pending head makes the key held
+// (the key row is updated, not deleted) while the operator replays the
+// parked message, which must leave the key free with the replayed message
+// as its head. FOR SHARE, which conflicts with the update, lines them up.
+func TestRefreshHeldKeyRace(t *testing.T) {
+	db := pgtest.NewDB(t)
+	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
+		('k', 1, 't', now()), ('k', 2, 't', now())`)
+	mustExec(t, db.Pool, `UPDATE deferred_message SET state = 'parked' WHERE seq = 2`)
+	refreshRace(t, db.Pool, "FOR SHARE")
+	if got := headSummary(t, db.Pool); len(got) != 1 || got[0] != "k@2" {
+		t.Errorf("heads = %q, want [k@2] (replayed, not held)", got)
+	}
+}
+
+// refreshRace cancels seq 1 and replays seq 2 of key k in two sessions that
+// both wait, in that order, for a third holding lock on k's key row.
+func refreshRace(t *testing.T, pool *pgxpool.Pool, lock string) {
+	t.Helper()
+	holder, canceller, replayer := newSession(t, pool), newSession(t, pool), newSession(t, pool)
 	mustExec(t, holder, "BEGIN")
-	mustExec(t, holder, "SELECT FROM deferred_key WHERE business_key = 'k' FOR KEY SHARE")
+	mustExec(t, holder, "SELECT FROM deferred_key WHERE business_key = 'k' "+lock)
 
 	cancelled := canceller.execAsync(t.Context(), "DELETE FROM deferred_message WHERE seq = 1")
-	waitBlocked(t, db.Pool, canceller, cancelled)
+	waitBlocked(t, pool, canceller, cancelled)
 	replayed := replayer.execAsync(t.Context(), "UPDATE deferred_message SET state = 'pending' WHERE seq = 2")
-	waitBlocked(t, db.Pool, replayer, replayed)
+	waitBlocked(t, pool, replayer, replayed)
 	mustExec(t, holder, "COMMIT")
 
 	if err := wait(t, "cancel", cancelled); err != nil {
@@ -100,19 +126,19 @@ func TestRefreshWhileKeyRowDeleted(t *testing.T) {
 	if err := wait(t, "replay", replayed); err != nil {
 		t.Fatalf("replay: %v", err)
 	}
-	assertHeadsMatch(t, db.Pool)
+	assertHeadsMatch(t, pool)
 }
 
 // TestRefreshLockOrderWithIngest: the triggers take key rows in key order
 // so that an ingest and an operator statement touching the same keys queue
 // instead of deadlocking. Here an ingest transaction holds key a and then
 // inserts for key b, while an operator replays parked messages of a and of b
-// (which has no key row yet).
+// (which has no key row yet: its parked message does not hold it).
 func TestRefreshLockOrderWithIngest(t *testing.T) {
 	db := pgtest.NewDB(t)
 	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
 		('a', 10, 't', now()), ('a', 5, 't', now()), ('b', 20, 't', now())`)
-	mustExec(t, db.Pool, `UPDATE deferred_message SET state = 'parked' WHERE seq IN (5, 20)`)
+	mustExec(t, db.Pool, `UPDATE deferred_message SET state = 'parked', park_holds_key = false WHERE seq IN (5, 20)`)
 
 	ingest, operator := newSession(t, db.Pool), newSession(t, db.Pool)
 	// Detect a deadlock quickly if there is one (needs superuser; the default 1s works too).

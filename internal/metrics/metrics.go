@@ -32,12 +32,17 @@ func states() [3]string { return [3]string{"pending", "parked", "rejected"} }
 // ingestResults returns the ingest results, always exported.
 func ingestResults() [3]string { return [3]string{"stored", "duplicate", "rejected"} }
 
+// ingestParkedReasons returns the reason codes of records parked at ingest
+// (package deferral), always exported.
+func ingestParkedReasons() [3]string { return [3]string{"permanent", "non_retriable", "exhausted"} }
+
 // Metrics holds the scheduler's Prometheus metrics. A nil *Metrics is valid
 // and records nothing, so components built without one (tests) need no
 // special case.
 type Metrics struct {
 	ingestRecords       *prometheus.CounterVec
 	ingestRejected      *prometheus.CounterVec
+	ingestParked        *prometheus.CounterVec
 	ingestBatchRecords  prometheus.Histogram
 	ingestBatchDuration prometheus.Histogram
 	ingestLag           *prometheus.GaugeVec
@@ -53,6 +58,11 @@ type Metrics struct {
 	oldestDue   prometheus.Gauge
 	heldKeys    prometheus.Gauge
 	oldestTx    prometheus.Gauge
+	heldParked  prometheus.Gauge
+	dlqUnsent   prometheus.Gauge
+
+	dlqPublished     prometheus.Counter
+	dlqPublishErrors *prometheus.CounterVec
 
 	riverJobs *prometheus.CounterVec
 	ready     prometheus.Gauge
@@ -75,11 +85,15 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 		targets: map[string]struct{}{},
 		ingestRecords: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: IngestRecords,
-			Help: "Records read from the defer topic, by result: stored (pending), rejected (stored as rejected), duplicate (stored before, skipped). They add up to the records read.",
+			Help: "Records read from the defer topic, by result: stored (pending, or parked by the retry rules: see scheduler_ingest_parked_total), rejected (stored as rejected), duplicate (stored before, skipped). They add up to the records read.",
 		}, []string{"result"}),
 		ingestRejected: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: IngestRejected,
 			Help: "Records stored as rejected, by reason code (the part of deferred_message.reason before the first colon).",
+		}, []string{"reason"}),
+		ingestParked: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: IngestParked,
+			Help: "Records stored straight into the parking lot by the retry rules, by reason code: permanent or non_retriable (error class), exhausted (no retries left). They are counted as stored too.",
 		}, []string{"reason"}),
 		ingestBatchRecords: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    IngestBatchRecords,
@@ -135,8 +149,24 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 		}),
 		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: HeldKeys,
-			Help: "Business keys that cannot move: backing off after consecutive retriable publish failures (periodic query).",
+			Help: "Business keys that cannot move: backing off after consecutive retriable publish failures (periodic query). Keys held by a parked message are " + KeysHeldParked + ".",
 		}),
+		heldParked: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: KeysHeldParked,
+			Help: "Business keys held by a parked message whose retry policy holds its key: the rest of the key waits until an operator replays or deletes it (periodic query).",
+		}),
+		dlqUnsent: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: DLQUnsent,
+			Help: "Parked messages whose dead-letter copy the broker has not acknowledged yet (periodic query).",
+		}),
+		dlqPublished: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: DLQPublished,
+			Help: "Dead-letter copies of parked messages acknowledged by the broker.",
+		}),
+		dlqPublishErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: DLQPublishErrors,
+			Help: "Dead-letter copies whose publish failed (each is retried later with a back-off), by kind: retriable, or the error's code such as unknown_topic or invalid_topic (the dead-letter topic is wrong). The log names the topic.",
+		}, []string{"kind"}),
 		riverJobs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: RiverJobs,
 			Help: "River jobs this process finished working, by job kind and outcome (completed, failed, discarded, cancelled, snoozed, interrupted).",
@@ -158,10 +188,16 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	for _, r := range ingestResults() {
 		m.ingestRecords.WithLabelValues(r)
 	}
+	for _, r := range ingestParkedReasons() {
+		m.ingestParked.WithLabelValues(r)
+	}
+	// The usual kind of failure, so that the family exists before the first.
+	m.dlqPublishErrors.WithLabelValues("retriable")
 	reg.MustRegister(
-		m.ingestRecords, m.ingestRejected, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
+		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
-		m.messages, m.messagesDue, m.oldestDue, m.heldKeys, m.oldestTx,
+		m.messages, m.messagesDue, m.oldestDue, m.heldKeys, m.oldestTx, m.heldParked, m.dlqUnsent,
+		m.dlqPublished, m.dlqPublishErrors,
 		m.riverJobs, m.ready, m.pool, buildInfo,
 	)
 	return m
@@ -218,6 +254,19 @@ func (m *Metrics) IngestBatch(stored, duplicates, rejected int, rejectedByReason
 	}
 	m.ingestBatchRecords.Observe(float64(stored + duplicates + rejected))
 	m.ingestBatchDuration.Observe(d.Seconds())
+}
+
+// IngestParked counts records parked at ingest, by reason (codes or full
+// reasons; they are reduced to codes).
+func (m *Metrics) IngestParked(byReason map[string]int) {
+	if m == nil {
+		return
+	}
+	for reason, n := range byReason {
+		if n > 0 {
+			m.ingestParked.WithLabelValues(ReasonCode(reason)).Add(float64(n))
+		}
+	}
 }
 
 // SetLag sets the ingest lag of a partition of the defer topic. A negative
@@ -280,6 +329,23 @@ func (m *Metrics) Round(d time.Duration) {
 	m.roundDuration.Observe(d.Seconds())
 }
 
+// DLQPublished counts n dead-letter copies acknowledged by the broker.
+func (m *Metrics) DLQPublished(n int) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.dlqPublished.Add(float64(n))
+}
+
+// DLQPublishError counts one dead-letter copy whose publish failed with an
+// error of the given kind.
+func (m *Metrics) DLQPublishError(kind string) {
+	if m == nil {
+		return
+	}
+	m.dlqPublishErrors.WithLabelValues(kind).Inc()
+}
+
 // RiverJob counts one River job outcome.
 func (m *Metrics) RiverJob(kind, outcome string) {
 	if m == nil {
@@ -311,6 +377,11 @@ type Backlog struct {
 	OldestDue time.Duration
 	// HeldKeys counts keys backing off after retriable failures.
 	HeldKeys int64
+	// KeysHeldParked counts keys held by a parked message.
+	KeysHeldParked int64
+	// DLQUnsent counts parked messages whose dead-letter copy is not
+	// acknowledged yet.
+	DLQUnsent int64
 	// OldestTransaction is the age of the oldest open transaction in the
 	// database that holds back vacuum.
 	OldestTransaction time.Duration
@@ -348,6 +419,8 @@ func (m *Metrics) SetBacklog(b Backlog) {
 	m.oldestDue.Set(max(b.OldestDue, 0).Seconds())
 	m.heldKeys.Set(float64(b.HeldKeys))
 	m.oldestTx.Set(max(b.OldestTransaction, 0).Seconds())
+	m.heldParked.Set(float64(b.KeysHeldParked))
+	m.dlqUnsent.Set(float64(b.DLQUnsent))
 }
 
 // WatchPool makes the pool metrics report pool's statistics. Until it is

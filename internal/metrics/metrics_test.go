@@ -68,13 +68,16 @@ func TestNewExportsEveryName(t *testing.T) {
 	m := New(reg, "v1.2.3")
 	m.WatchPool(lazyPool(t))
 	m.IngestBatch(3, 1, 1, map[string]int{"missing_target": 1}, time.Millisecond)
+	m.IngestParked(map[string]int{"exhausted": 2, "non_retriable: defer.error.class \"x\"": 1, "permanent": 0})
 	m.SetLag(0, 5)
 	m.Published("orders.retry", 2)
 	m.PublishError("orders.retry", "retriable")
 	m.Parked("orders.retry", "publish_failed: unknown_topic: gone")
 	m.ObserveLateness(time.Second)
 	m.Round(time.Millisecond)
-	m.SetBacklog(Backlog{Messages: map[string]map[string]int64{"orders.retry": {"pending": 1}}})
+	m.SetBacklog(Backlog{Messages: map[string]map[string]int64{"orders.retry": {"pending": 1}}, KeysHeldParked: 4, DLQUnsent: 2})
+	m.DLQPublished(3)
+	m.DLQPublishError("unknown_topic")
 	m.RiverJob("scheduler_maintenance", "completed")
 	m.SetReady(true)
 
@@ -100,15 +103,27 @@ func TestNewExportsEveryName(t *testing.T) {
 		{IngestRecords, []string{"result", "duplicate"}, 1},
 		{IngestRecords, []string{"result", "rejected"}, 1},
 		{IngestRejected, []string{"reason", "missing_target"}, 1},
+		{IngestParked, []string{"reason", "exhausted"}, 2},
+		{IngestParked, []string{"reason", "non_retriable"}, 1},
 		{IngestLag, []string{"partition", "0"}, 5},
 		{DispatchParked, []string{"target", "orders.retry", "reason", "unknown_topic"}, 1},
 		{DBPoolConnections, []string{"state", "max"}, 7},
 		{DBPoolConnections, []string{"state", "total"}, 0},
 		{DBPoolAcquireWait, nil, 0},
+		{KeysHeldParked, nil, 4},
+		{DLQUnsent, nil, 2},
+		{DLQPublished, nil, 3},
+		{DLQPublishErrors, []string{"kind", "unknown_topic"}, 1},
+		{DLQPublishErrors, []string{"kind", "retriable"}, 0},
 	} {
 		if v, ok := g.value(c.name, c.labels...); !ok || v != c.want {
 			t.Errorf("%s%v = %v (present %v), want %v", c.name, c.labels, v, ok, c.want)
 		}
+	}
+	// The codes of ingest are exported from the start, so that rate()
+	// works from the first increment.
+	if v, ok := g.value(IngestParked, "reason", "permanent"); !ok || v != 0 {
+		t.Errorf("%s{reason=permanent} = %v (present %v), want 0", IngestParked, v, ok)
 	}
 }
 
@@ -129,6 +144,7 @@ func TestNilMetricsIsANoOp(t *testing.T) {
 	var m *Metrics
 	m.WatchPool(nil)
 	m.IngestBatch(1, 1, 1, map[string]int{"x": 1}, time.Second)
+	m.IngestParked(map[string]int{"x": 1})
 	m.SetLag(1, 1)
 	m.DeleteLag(1)
 	m.Published("t", 1)
@@ -137,6 +153,8 @@ func TestNilMetricsIsANoOp(t *testing.T) {
 	m.ObserveLateness(time.Second)
 	m.Round(time.Second)
 	m.RiverJob("k", "completed")
+	m.DLQPublished(1)
+	m.DLQPublishError("retriable")
 	m.SetReady(true)
 	m.SetBacklog(Backlog{})
 }
@@ -174,7 +192,7 @@ func TestSetBacklog(t *testing.T) {
 			backlog: Backlog{
 				Messages:  map[string]map[string]int64{"a": {"pending": 3, "parked": 1}, OtherTarget: {"rejected": 2}},
 				Due:       map[string]int64{"a": 2},
-				OldestDue: 1500 * time.Millisecond, HeldKeys: 1,
+				OldestDue: 1500 * time.Millisecond, HeldKeys: 1, KeysHeldParked: 5,
 			},
 			want: [][3]any{
 				{"a", "pending", 3.0}, {"a", "parked", 1.0}, {"a", "rejected", 0.0}, {"a", "due", 2.0},
@@ -221,9 +239,11 @@ func TestSetBacklog(t *testing.T) {
 		}
 		oldest, _ := g.value(OldestDue)
 		held, _ := g.value(HeldKeys)
-		if oldest != step.backlog.OldestDue.Seconds() || held != float64(step.backlog.HeldKeys) {
-			t.Errorf("%s: oldest due %v, held %v; want %v, %v", step.name, oldest, held,
-				step.backlog.OldestDue.Seconds(), step.backlog.HeldKeys)
+		heldParked, _ := g.value(KeysHeldParked)
+		if oldest != step.backlog.OldestDue.Seconds() || held != float64(step.backlog.HeldKeys) ||
+			heldParked != float64(step.backlog.KeysHeldParked) {
+			t.Errorf("%s: oldest due %v, held %v, held by parked %v; want %v, %v, %v", step.name, oldest, held, heldParked,
+				step.backlog.OldestDue.Seconds(), step.backlog.HeldKeys, step.backlog.KeysHeldParked)
 		}
 	}
 }

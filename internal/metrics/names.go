@@ -9,6 +9,7 @@ package metrics
 const (
 	IngestRecords         = "scheduler_ingest_records_total"          // counter {result: stored|duplicate|rejected}
 	IngestRejected        = "scheduler_ingest_rejected_total"         // counter {reason: rejection code}
+	IngestParked          = "scheduler_ingest_parked_total"           // counter {reason: code}: parked at ingest by the retry rules
 	IngestBatchRecords    = "scheduler_ingest_batch_records"          // histogram
 	IngestBatchDuration   = "scheduler_ingest_batch_duration_seconds" // histogram
 	IngestLag             = "scheduler_ingest_lag_records"            // gauge {partition}: high-water mark minus next offset
@@ -17,24 +18,35 @@ const (
 	DispatchParked        = "scheduler_dispatch_parked_total"         // counter {target, reason: code}
 	DispatchLateness      = "scheduler_dispatch_lateness_seconds"     // histogram: broker ack time minus due time
 	DispatchRoundDuration = "scheduler_dispatch_round_duration_seconds"
-	Messages              = "scheduler_messages"            // gauge {target, state}
-	MessagesDue           = "scheduler_messages_due"        // gauge {target}: pending and due, not yet sent
-	OldestDue             = "scheduler_oldest_due_seconds"  // gauge: how late the earliest due head is now
-	HeldKeys              = "scheduler_held_keys"           // gauge: keys that cannot move (backing off after failures)
-	DBPoolConnections     = "scheduler_db_pool_connections" // gauge {state: acquired|idle|total|max}
-	DBPoolAcquireWait     = "scheduler_db_pool_acquire_wait_seconds_total"
-	DBOldestTransaction   = "scheduler_db_oldest_transaction_seconds" // gauge: oldest open transaction holding back vacuum
-	RiverJobs             = "scheduler_river_jobs_total"              // counter {kind, outcome}
-	Ready                 = "scheduler_ready"                         // gauge: 1 when /readyz passes
-	BuildInfo             = "scheduler_build_info"                    // gauge {version} = 1
+	Messages              = "scheduler_messages"           // gauge {target, state}
+	MessagesDue           = "scheduler_messages_due"       // gauge {target}: pending and due, not yet sent
+	OldestDue             = "scheduler_oldest_due_seconds" // gauge: how late the earliest due head is now
+	// HeldKeys counts keys backing off after retriable publish failures (a
+	// broker or topic problem); they retry by themselves. Not to be confused
+	// with KeysHeldParked.
+	HeldKeys = "scheduler_held_keys" // gauge
+	// KeysHeldParked counts keys held by a parked message (its retry policy
+	// holds the key): nothing more of the key goes out until an operator
+	// replays or deletes that message.
+	KeysHeldParked      = "scheduler_keys_held_parked"         // gauge
+	DLQPublished        = "scheduler_dlq_published_total"      // counter: dead-letter copies acknowledged
+	DLQPublishErrors    = "scheduler_dlq_publish_errors_total" // counter {kind}: failed copies, retried later
+	DLQUnsent           = "scheduler_dlq_unsent"               // gauge: parked messages whose dead-letter copy is not yet acknowledged
+	DBPoolConnections   = "scheduler_db_pool_connections"      // gauge {state: acquired|idle|total|max}
+	DBPoolAcquireWait   = "scheduler_db_pool_acquire_wait_seconds_total"
+	DBOldestTransaction = "scheduler_db_oldest_transaction_seconds" // gauge: oldest open transaction holding back vacuum
+	RiverJobs           = "scheduler_river_jobs_total"              // counter {kind, outcome}
+	Ready               = "scheduler_ready"                         // gauge: 1 when /readyz passes
+	BuildInfo           = "scheduler_build_info"                    // gauge {version} = 1
 )
 
 // Names returns every metric name the scheduler exports.
 func Names() []string {
 	return []string{
-		IngestRecords, IngestRejected, IngestBatchRecords, IngestBatchDuration, IngestLag,
+		IngestRecords, IngestRejected, IngestParked, IngestBatchRecords, IngestBatchDuration, IngestLag,
 		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration,
-		Messages, MessagesDue, OldestDue, HeldKeys, DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
+		Messages, MessagesDue, OldestDue, HeldKeys, KeysHeldParked, DLQPublished, DLQPublishErrors, DLQUnsent,
+		DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
 		RiverJobs, Ready, BuildInfo,
 	}
 }

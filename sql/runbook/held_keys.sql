@@ -1,23 +1,35 @@
 -- held_keys.sql: business keys whose head cannot move right now.
 --
--- What: deferred_key rows that back off after retriable publish failures
--- (failures > 0; they retry by themselves at leased_until) or that a
--- dispatcher holds (leased_until in the future, leased_by names it), with the
--- head message of each: its id, seq, target, due time, attempt and error
--- class. Every later message of such a key waits. A lease held for a publish
--- in progress lasts milliseconds; one that stays means a slow or stuck publish,
--- and one left by a crashed process expires after LEASE_DURATION. Unordered
--- messages appear with an empty business_key.
--- A parked message releases its key today; once parked heads hold their key
--- (retry policies, issue 3) they belong in this list too.
+-- What: deferred_key rows whose head is stuck, one of three kinds:
+--   parked       the head is a parked message that holds its key (its retry
+--                policy says so, the default): nothing of the key moves until
+--                an operator replays (replay.sql) or cancels (cancel_id.sql)
+--                it. reason and parked_at are the parked message's.
+--   backing_off  retriable publish failures (failures > 0); the key retries
+--                by itself at leased_until. Fix the cause (usually the broker
+--                or the target topic) and it resumes; expediting does not lift
+--                the back-off.
+--   leased       a dispatcher holds it (leased_until in the future, leased_by
+--                names it). A lease for a publish in progress lasts
+--                milliseconds; one that stays means a slow or stuck publish,
+--                and one left by a crashed process expires after
+--                LEASE_DURATION.
+-- With the head message of each: id, seq, target, due time (empty for a
+-- parked head: it never comes due), attempt and error class, and how many
+-- pending messages of the key wait behind it. Unordered messages appear with
+-- an empty business_key (never as parked: they hold no key). Parked heads
+-- first, oldest first. It reads all of deferred_key. `scheduler held` runs
+-- this file; `scheduler status` counts it.
 -- When: oldest_due.sql shows lateness, or one business key is not moving.
--- Expediting a held key does not lift its back-off; fix the cause (usually
--- the broker or the target topic) and it resumes.
 -- Call:
 --   psql "$DATABASE_URL" -f sql/runbook/held_keys.sql
 SELECT k.business_key,
-       CASE WHEN k.failures > 0
-            THEN 'backing off after ' || k.failures || ' failed publish(es)'
+       CASE WHEN k.held THEN 'parked'
+            WHEN k.failures > 0 THEN 'backing_off'
+            ELSE 'leased'
+       END AS kind,
+       CASE WHEN k.held THEN 'held by parked message ' || k.head_id
+            WHEN k.failures > 0 THEN 'backing off after ' || k.failures || ' failed publish(es)'
             ELSE 'leased by ' || coalesce(k.leased_by, 'no one')
        END AS why,
        k.failures,
@@ -26,10 +38,16 @@ SELECT k.business_key,
        k.head_id,
        m.seq AS head_seq,
        m.target_topic,
-       k.next_run_at,
+       -- A held head's next_run_at is 'infinity', which means "never", and
+       -- which many clients cannot represent.
+       CASE WHEN NOT k.held THEN k.next_run_at END AS next_run_at,
        m.attempt,
-       m.error_class
+       m.error_class,
+       CASE WHEN k.held THEN m.reason END AS reason,
+       CASE WHEN k.held THEN m.parked_at END AS parked_at,
+       (SELECT count(*) FROM deferred_message w
+        WHERE w.business_key = k.business_key AND w.state = 'pending' AND w.id <> k.head_id) AS waiting
 FROM deferred_key k
 LEFT JOIN deferred_message m ON m.id = k.head_id
-WHERE k.failures > 0 OR k.leased_until > now()
-ORDER BY k.failures DESC, k.next_run_at, k.head_id;
+WHERE k.held OR k.failures > 0 OR k.leased_until > now()
+ORDER BY k.held DESC, m.parked_at, k.failures DESC, k.next_run_at, k.head_id;

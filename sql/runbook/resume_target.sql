@@ -1,7 +1,9 @@
 -- resume_target.sql: republish to a paused target topic again.
 --
--- What: clears the pause of :'target' in target_control. Its due messages go
--- out in per-key order at once (dispatchers are notified); the rest when due.
+-- What: clears the pause of :'target' in target_control and prints the row;
+-- a target that is not paused prints nothing. Its due messages go out in
+-- per-key order at once (dispatchers are notified), paced by its rate limit
+-- if it has one; the rest when due. The note stays, for the record.
 -- When: the reason for pause_target.sql is over. See what will go out first:
 --   psql "$DATABASE_URL" -v target=payments.retry -v state=pending -v key= \
 --        -v reason= -v limit=100 -f sql/runbook/list.sql
@@ -10,4 +12,5 @@
 UPDATE target_control
 SET paused = false, updated_at = now()
 WHERE target_topic = :'target'
-RETURNING target_topic, paused, note, updated_at;
+  AND paused
+RETURNING target_topic, paused, rate_limit, note, updated_at;

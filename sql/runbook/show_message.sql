@@ -1,16 +1,21 @@
 -- show_message.sql: one message's story.
 --
--- What: three results for message :id.
+-- What: four results for message :id.
 --   1. The row: where it goes and when, its state and why, the error the
---      producer deferred it for, where it was read, whether it is the head of
---      its key and how many pending messages of its key are ahead of it, and
---      its record key and value (text when they are valid UTF-8, else \x and
---      hex; key_encoding and value_encoding say which; empty when absent).
+--      producer deferred it for, where it was read, when it was parked and
+--      whether it holds its key then, its dead-letter copy, how many times it
+--      was replayed, whether it is the head of its key (holds_key: a parked
+--      head that holds it) and how many pending messages of its key are ahead
+--      of it and wait behind it, and its record key and value (text when they
+--      are valid UTF-8, else \x and hex; key_encoding and value_encoding say
+--      which; empty when absent).
 --   2. Its headers in order, decoded the same way, from the view
 --      deferred_message_header.
 --   3. Its lineage: the message it re-defers (origin_id) if that row still
 --      exists, and the rows that re-defer it. The lineage search reads the
 --      whole table (origin_id is not indexed).
+--   4. Its lineage's history, as history.sql prints it: every time one of
+--      its messages was deferred, parked, rejected or replayed.
 -- When: a question about one message ("why has 1234 not gone out?").
 -- Call:
 --   psql "$DATABASE_URL" -v id=1234 -f sql/runbook/show_message.sql
@@ -38,6 +43,17 @@ SELECT m.id,
        m.source_topic,
        m.source_partition,
        m.source_offset,
+       m.parked_at,
+       m.park_holds_key,
+       m.dlq_topic,
+       m.dlq_published_at,
+       m.redrive_count,
+       coalesce(k.held, false) AS holds_key,
+       CASE WHEN k.head_id IS NOT NULL AND m.business_key IS NOT NULL THEN (
+           SELECT count(*) FROM deferred_message b
+           WHERE b.business_key = m.business_key AND b.state = 'pending'
+             AND (b.seq, b.id) > (m.seq, m.id))
+       END AS waiting_behind,
        k.head_id IS NOT NULL AS is_head,
        CASE WHEN m.state = 'pending' AND m.business_key IS NOT NULL THEN (
            SELECT count(*) FROM deferred_message a
@@ -74,3 +90,17 @@ SELECT CASE WHEN l.id = o.origin_id THEN 'origin' ELSE 're-deferral' END AS rela
 FROM (SELECT id, origin_id FROM deferred_message WHERE id = :id) o
 JOIN deferred_message l ON l.id = o.origin_id OR l.origin_id = o.id
 ORDER BY l.id;
+
+SELECT a.lineage_id,
+       a.message_id,
+       a.recorded_at,
+       a.event,
+       a.attempt,
+       a.reason,
+       a.error_class,
+       a.error_message,
+       a.target_topic,
+       a.next_run_at
+FROM deferred_attempt a
+WHERE a.lineage_id = (SELECT lineage_id FROM deferred_attempt WHERE message_id = :id ORDER BY id LIMIT 1)
+ORDER BY a.id;

@@ -1,0 +1,517 @@
+package main
+
+// scheduler replay: parked or rejected messages back to pending, chosen by
+// filters, previewed first (replay_preview.sql), then moved in one statement
+// (replay.sql) that checks the filters again.
+
+import (
+	"bufio"
+	"cmp"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"path"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// replayShown is how many matching messages replay prints before it acts:
+// enough to recognise them, little enough for one screen.
+const replayShown = 20
+
+const replayHelp = `Usage: scheduler replay FILTER... [--dry-run] [--rate N] [--reset-attempts]
+                        [--yes] [--confirm-above N] [--json]
+
+Sends parked messages (or, with --state rejected, rejected ones) again: back
+to pending, reason cleared, redrive count + 1 (republished as
+defer.redrive-count). Each goes back to its place in its business key; a
+parked message that held its key goes first and the rest of the key follows.
+
+Filters combine (all must match), and at least one is required, so that
+"replay everything" is never an accident (--target '*' says it on purpose):
+  --target GLOB       target topic, * any run of characters, ? one, \ escapes
+  --key KEY           business key, exact
+  --error-class GLOB  the error class the producer gave
+  --reason CODE       reason code, the part of the reason before the first
+                      colon: exhausted, permanent, non_retriable,
+                      unknown_topic, target_not_allowed, ...
+  --since, --until    parked (rejected: last changed) at or after / before:
+                      an RFC 3339 time, or a duration meaning that long ago
+                      (90m, 48h)
+  --id ID[,ID...]     message ids; repeatable
+
+It first prints what matches: counts by target and reason, and the first 20
+messages. --dry-run stops there. Above --confirm-above messages (default
+100) it asks you to type their number, unless --yes. A rejected record that
+named no target topic cannot be replayed: it is listed and left alone.
+
+--rate N staggers the due times at N messages per second, oldest parked
+first: dispatch then sends them at that pace even after this command exits
+(the messages waiting behind a held key follow their head unpaced; "scheduler
+limit" paces a whole target). --reset-attempts sets attempt to 0, so that the
+retry policy starts over.
+
+A message that changed after the preview (replayed, cancelled) is left
+alone; the count says how many moved. It runs the runbook files
+replay_preview.sql and replay.sql.
+
+Examples:
+  scheduler replay --target payments.retry --reason unknown_topic --dry-run
+  scheduler replay --target 'payments.*' --since 2h --rate 50 --yes
+  scheduler replay --key order-42 --reset-attempts
+  scheduler replay --state rejected --reason target_not_allowed --id 1234,1235
+`
+
+// replayCandidate is a row of replay_preview.sql.
+type replayCandidate struct {
+	ID           int64     `db:"id" json:"id"`
+	BusinessKey  *string   `db:"business_key" json:"business_key"`
+	Seq          int64     `db:"seq" json:"seq"`
+	TargetTopic  *string   `db:"target_topic" json:"target_topic"`
+	State        string    `db:"state" json:"state"`
+	Reason       *string   `db:"reason" json:"reason"`
+	ErrorClass   *string   `db:"error_class" json:"error_class"`
+	Attempt      int32     `db:"attempt" json:"attempt"`
+	RedriveCount int32     `db:"redrive_count" json:"redrive_count"`
+	Since        time.Time `db:"since" json:"since"` // parked_at; for a rejected message, updated_at
+	HoldsKey     bool      `db:"holds_key" json:"holds_key"`
+	Replayable   bool      `db:"replayable" json:"replayable"`
+}
+
+// replayedMessage is a row of replay.sql.
+type replayedMessage struct {
+	opsMessage
+	RedriveCount int32 `db:"redrive_count" json:"redrive_count"`
+}
+
+// replayGroup counts matching messages by target and reason code.
+type replayGroup struct {
+	TargetTopic *string `json:"target_topic"`
+	Reason      string  `json:"reason"`
+	Messages    int     `json:"messages"`
+}
+
+// replayReport is what replay prints with --json.
+type replayReport struct {
+	State   string `json:"state"`
+	DryRun  bool   `json:"dry_run"`
+	Matched int    `json:"matched"`
+	// Groups and Candidates describe every matching message, replayable or
+	// not; NotReplayable lists those that cannot be (no target topic).
+	Groups        []replayGroup     `json:"groups"`
+	Candidates    []replayCandidate `json:"candidates"`
+	NotReplayable []int64           `json:"not_replayable"`
+	// Replayed is how many moved; LeftAlone how many replayable ones changed
+	// between the preview and the replay and were not touched.
+	Replayed  int               `json:"replayed"`
+	LeftAlone int               `json:"left_alone"`
+	Rate      *float64          `json:"rate"`
+	Messages  []replayedMessage `json:"messages"`
+}
+
+// replayFilter is what replay selects by. Empty fields do not filter.
+type replayFilter struct {
+	state                      string
+	ids                        []int64
+	targetLike, errorClassLike string
+	key, reason                string
+	since, until               *time.Time
+	// described is the filters as given, for messages.
+	described []string
+}
+
+// vars are the psql variables of replay_preview.sql and replay.sql.
+func (f replayFilter) vars() map[string]string {
+	ts := func(t *time.Time) string {
+		if t == nil {
+			return ""
+		}
+		return t.UTC().Format(time.RFC3339Nano)
+	}
+	return map[string]string{
+		"state": f.state, "ids": idList(f.ids), "target": f.targetLike, "key": f.key,
+		"error_class": f.errorClassLike, "reason": f.reason, "since": ts(f.since), "until": ts(f.until),
+	}
+}
+
+// idsValue is a repeatable flag of message ids.
+type idsValue struct{ ids *[]int64 }
+
+func (v idsValue) String() string {
+	if v.ids == nil {
+		return ""
+	}
+	return idList(*v.ids)
+}
+
+func (v idsValue) Set(s string) error {
+	ids, err := parseIDs([]string{s})
+	if err != nil {
+		return err
+	}
+	for _, id := range ids {
+		if !slices.Contains(*v.ids, id) {
+			*v.ids = append(*v.ids, id)
+		}
+	}
+	return nil
+}
+
+// globToLike translates a path.Match-style glob into a LIKE pattern: * is
+// %, ? is _, \ quotes the next character, and LIKE's own % _ and \ are
+// escaped. Character classes have no LIKE equivalent and are refused; topic
+// names cannot contain brackets anyway.
+func globToLike(glob string) (string, error) {
+	if _, err := path.Match(glob, ""); err != nil {
+		return "", fmt.Errorf("not a valid pattern: %w", err)
+	}
+	var b strings.Builder
+	for i := 0; i < len(glob); i++ {
+		c := glob[i]
+		switch c {
+		case '*':
+			b.WriteByte('%')
+			continue
+		case '?':
+			b.WriteByte('_')
+			continue
+		case '[':
+			return "", errors.New("character classes [...] are not supported: use * and ?")
+		case '\\':
+			i++
+			if i == len(glob) {
+				return "", errors.New(`ends in \: nothing to quote`)
+			}
+			c = glob[i]
+		}
+		if c == '%' || c == '_' || c == '\\' {
+			b.WriteByte('\\')
+		}
+		b.WriteByte(c)
+	}
+	return b.String(), nil
+}
+
+// parseWhen parses --since or --until: an RFC 3339 time, or a duration
+// meaning that long before now.
+func parseWhen(flagName, s string, now time.Time) (time.Time, error) {
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil || d < 0 {
+		return time.Time{}, usagef("%s %q is neither an RFC 3339 time (2024-05-01T12:00:00Z) nor a duration meaning that long ago (90m, 48h)", flagName, s)
+	}
+	return now.Add(-d), nil
+}
+
+// replayOptions are replay's flags other than the filters.
+type replayOptions struct {
+	dryRun, resetAttempts, yes bool
+	rate                       *float64
+	confirmAbove               int
+}
+
+// cmdReplay implements `scheduler replay`.
+func cmdReplay(ctx context.Context, args, environ []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	o, fs := newOps("replay", args, stdout, stderr)
+	// buildReplayFilter reads the filters back from fs, by name.
+	fs.String("state", "parked", "replay messages in this state: parked or rejected")
+	fs.String("target", "", "only messages whose target topic matches this glob (* any run, ? one character)")
+	fs.String("key", "", "only messages of this business key (exact)")
+	fs.String("error-class", "", "only messages whose error class matches this glob")
+	fs.String("reason", "", "only messages with this reason code (the part of the reason before the colon)")
+	fs.String("since", "", "only messages parked at or after this: RFC 3339, or a duration meaning ago (2h)")
+	fs.String("until", "", "only messages parked before this: RFC 3339, or a duration meaning ago (30m)")
+	var ids []int64
+	fs.Var(idsValue{&ids}, "id", "only these messages: an id or ids separated by commas; repeatable")
+	var opt replayOptions
+	fs.BoolVar(&opt.dryRun, "dry-run", false, "print what matches and change nothing")
+	rate := fs.String("rate", "", "stagger due times at this many messages per second (> 0); default: all due now")
+	fs.BoolVar(&opt.resetAttempts, "reset-attempts", false, "set attempt to 0, so that the retry policy starts over")
+	fs.BoolVar(&opt.yes, "yes", false, "do not ask for confirmation")
+	fs.IntVar(&opt.confirmAbove, "confirm-above", 100, "ask to confirm when more than this many messages would move")
+	pos, done, code := o.parse(fs, args, replayHelp)
+	if done {
+		return code
+	}
+	if len(pos) > 0 {
+		return o.exit(usagef("unexpected argument %q: filters are flags, e.g. --id %s", pos[0], pos[0]))
+	}
+	f, err := buildReplayFilter(fs, time.Now(), ids)
+	if err != nil {
+		return o.exit(err)
+	}
+	rateGiven := false
+	fs.Visit(func(fl *flag.Flag) { rateGiven = rateGiven || fl.Name == "rate" })
+	if rateGiven {
+		r, err := parseRate("--rate", *rate)
+		if err != nil {
+			return o.exit(err)
+		}
+		opt.rate = &r
+	}
+	if opt.confirmAbove < 0 {
+		return o.exit(usagef("--confirm-above %d: want 0 or more", opt.confirmAbove))
+	}
+	err = o.withConn(ctx, environ, func(conn *pgx.Conn) error {
+		return o.replay(ctx, conn, f, opt, stdin)
+	})
+	return o.exit(err)
+}
+
+// buildReplayFilter checks replay's filter flags, parsed into fs, and
+// translates them; ids are those of --id.
+func buildReplayFilter(fs *flag.FlagSet, now time.Time, ids []int64) (replayFilter, error) {
+	state := fs.Lookup("state").Value.String()
+	f := replayFilter{state: state, ids: ids}
+	if state != "parked" && state != "rejected" {
+		return f, usagef("--state %q: replay takes parked or rejected messages", state)
+	}
+	f.described = append(f.described, "--state "+state)
+	var err error
+	given := map[string]bool{}
+	fs.Visit(func(fl *flag.Flag) { given[fl.Name] = true })
+	for _, name := range []string{"target", "key", "error-class", "reason", "since", "until"} {
+		if !given[name] {
+			continue
+		}
+		value, suffix := fs.Lookup(name).Value.String(), ""
+		if value == "" {
+			// An empty filter would select everything: a script's unset
+			// variable must not replay the whole parking lot.
+			return f, usagef("--%s is empty", name)
+		}
+		switch name {
+		case "key":
+			f.key = value
+		case "target":
+			if f.targetLike, err = globToLike(value); err != nil {
+				return f, usagef("--target %q: %v", value, err)
+			}
+		case "error-class":
+			if f.errorClassLike, err = globToLike(value); err != nil {
+				return f, usagef("--error-class %q: %v", value, err)
+			}
+		case "reason":
+			if strings.Contains(value, ":") {
+				return f, usagef("--reason %q: want a reason code, the part before the colon (e.g. %s)", value, strings.TrimSpace(strings.SplitN(value, ":", 2)[0]))
+			}
+			f.reason = value
+		case "since", "until":
+			t, err := parseWhen("--"+name, value, now)
+			if err != nil {
+				return f, err
+			}
+			if name == "since" {
+				f.since = &t
+			} else {
+				f.until = &t
+			}
+			suffix = " (" + formatTime(t) + ")"
+		}
+		f.described = append(f.described, fmt.Sprintf("--%s %s%s", name, quoteIfNeeded(value), suffix))
+	}
+	if len(ids) > 0 {
+		f.described = append(f.described, "--id "+idList(ids))
+	}
+	if len(f.described) == 1 {
+		return f, usagef("give at least one filter (--target, --key, --error-class, --reason, --since, --until, --id), "+
+			"so that replaying every %s message is never an accident; --target '*' means all targets", state)
+	}
+	if f.since != nil && f.until != nil && !f.since.Before(*f.until) {
+		return f, usagef("--since %s is not before --until %s: nothing can match", formatTime(*f.since), formatTime(*f.until))
+	}
+	return f, nil
+}
+
+// quoteIfNeeded quotes a value that holds spaces or is not printable.
+func quoteIfNeeded(s string) string {
+	if s == printable(s, false) && !strings.ContainsAny(s, " \t\"'") {
+		return s
+	}
+	return strconv.Quote(s)
+}
+
+// replay previews, asks if need be, and replays.
+func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt replayOptions, stdin io.Reader) error {
+	cands, err := runbookRows[replayCandidate](ctx, conn, "replay_preview.sql", f.vars())
+	if err != nil {
+		return err
+	}
+	what := strings.Join(f.described, " ")
+	if len(cands) == 0 {
+		return fmt.Errorf("no message matches %s; nothing changed", what)
+	}
+	rep := replayReport{
+		State: f.state, DryRun: opt.dryRun, Matched: len(cands), Groups: groupCandidates(cands),
+		Candidates: cands, NotReplayable: []int64{}, Rate: opt.rate, Messages: []replayedMessage{},
+	}
+	var replayable []int64
+	for _, c := range cands {
+		if c.Replayable {
+			replayable = append(replayable, c.ID)
+		} else {
+			rep.NotReplayable = append(rep.NotReplayable, c.ID)
+		}
+	}
+	if !o.json {
+		printCandidates(o.stdout, what, rep)
+	}
+	if len(replayable) == 0 {
+		return fmt.Errorf("none of the %d matching %s message%s can be replayed: %s; nothing changed",
+			len(cands), f.state, plural(len(cands), "", "s"), notReplayableWhy)
+	}
+	if opt.dryRun {
+		if o.json {
+			return o.printJSON(rep)
+		}
+		_, err := fmt.Fprintf(o.stdout, "dry run: would replay %d message%s; nothing changed\n", len(replayable), plural(len(replayable), "", "s"))
+		return err
+	}
+	if len(replayable) > opt.confirmAbove && !opt.yes {
+		if err := confirmCount(ctx, stdin, o.stderr, len(replayable), f.state); err != nil {
+			return err
+		}
+	}
+	vars := f.vars()
+	vars["ids"] = idList(replayable)
+	vars["rate"] = ""
+	if opt.rate != nil {
+		vars["rate"] = formatRate(*opt.rate)
+	}
+	vars["reset_attempts"] = strconv.FormatBool(opt.resetAttempts)
+	moved, err := runbookRows[replayedMessage](ctx, conn, "replay.sql", vars)
+	if err != nil {
+		return err
+	}
+	slices.SortFunc(moved, func(a, b replayedMessage) int {
+		return cmp.Or(a.NextRunAt.Compare(b.NextRunAt), cmp.Compare(a.ID, b.ID))
+	})
+	rep.Replayed, rep.LeftAlone, rep.Messages = len(moved), len(replayable)-len(moved), moved
+	if o.json {
+		return o.printJSON(rep)
+	}
+	return printReplayed(o.stdout, rep)
+}
+
+const notReplayableWhy = "a rejected record that named no target topic has nowhere to go (set its target_topic first)"
+
+// confirmCount asks on stderr for the number of messages about to move and
+// reads the answer from stdin. Anything but that number, end of input, or
+// an interrupt (the read is abandoned, not waited for) refuses.
+func confirmCount(ctx context.Context, stdin io.Reader, stderr io.Writer, n int, state string) error {
+	fmt.Fprintf(stderr, "This replays %d %s messages. Type %d to go on: ", n, state, n)
+	type answer struct {
+		line string
+		err  error
+	}
+	got := make(chan answer, 1)
+	go func() {
+		line, err := bufio.NewReader(stdin).ReadString('\n')
+		got <- answer{line, err}
+	}()
+	select {
+	case <-ctx.Done():
+		fmt.Fprintln(stderr)
+		return fmt.Errorf("interrupted before confirming; nothing changed")
+	case a := <-got:
+		typed := strings.TrimSpace(a.line)
+		if typed == "" && a.err != nil {
+			fmt.Fprintln(stderr)
+			return fmt.Errorf("no answer (end of input); nothing changed: --yes replays without asking")
+		}
+		if typed != strconv.Itoa(n) {
+			return fmt.Errorf("not confirmed: typed %q, not %d; nothing changed", printable(typed, false), n)
+		}
+		return nil
+	}
+}
+
+// reasonCode is the part of a reason before the first colon.
+func reasonCode(reason *string) string {
+	if reason == nil {
+		return "-"
+	}
+	code, _, _ := strings.Cut(*reason, ":")
+	return code
+}
+
+func groupCandidates(cands []replayCandidate) []replayGroup {
+	type groupKey struct {
+		target *string
+		reason string
+	}
+	same := func(a, b *string) bool { return (a == nil && b == nil) || (a != nil && b != nil && *a == *b) }
+	var groups []replayGroup
+	for _, c := range cands {
+		k := groupKey{c.TargetTopic, reasonCode(c.Reason)}
+		i := slices.IndexFunc(groups, func(g replayGroup) bool { return same(g.TargetTopic, k.target) && g.Reason == k.reason })
+		if i < 0 {
+			groups = append(groups, replayGroup{TargetTopic: k.target, Reason: k.reason})
+			i = len(groups) - 1
+		}
+		groups[i].Messages++
+	}
+	slices.SortStableFunc(groups, func(a, b replayGroup) int {
+		return cmp.Or(cmp.Compare(b.Messages, a.Messages), cmp.Compare(orDash(a.TargetTopic), orDash(b.TargetTopic)), cmp.Compare(a.Reason, b.Reason))
+	})
+	return groups
+}
+
+func printCandidates(w io.Writer, what string, rep replayReport) {
+	fmt.Fprintf(w, "%d %s message%s match%s %s:\n", rep.Matched, rep.State, plural(rep.Matched, "", "s"), plural(rep.Matched, "es", ""), printable(what, false))
+	t := newTable(w, "  TARGET", "REASON", "MESSAGES")
+	for _, g := range rep.Groups {
+		t.row("  "+printable(orDash(g.TargetTopic), false), printable(g.Reason, false), strconv.Itoa(g.Messages))
+	}
+	t.flush()
+	when := "PARKED AT"
+	if rep.State == "rejected" {
+		when = "REJECTED AT"
+	}
+	if rep.Matched > replayShown {
+		fmt.Fprintf(w, "The first %d, oldest first:\n", replayShown)
+	}
+	t = newTable(w, "  ID", "KEY", "TARGET", when, "REDRIVES", "REASON")
+	for _, c := range rep.Candidates[:min(len(rep.Candidates), replayShown)] {
+		key := printable(orDash(c.BusinessKey), false)
+		if c.HoldsKey {
+			key += " (held)"
+		}
+		t.row("  "+strconv.FormatInt(c.ID, 10), key, printable(orDash(c.TargetTopic), false), formatTime(c.Since),
+			strconv.Itoa(int(c.RedriveCount)), printable(orDash(c.Reason), false))
+	}
+	t.flush()
+	if n := len(rep.NotReplayable); n > 0 {
+		shown := rep.NotReplayable[:min(n, replayShown)]
+		more := ""
+		if n > len(shown) {
+			more = ", ..."
+		}
+		fmt.Fprintf(w, "%d cannot be replayed and stay as they are: %s (%s%s)\n", n, notReplayableWhy, idList(shown), more)
+	}
+}
+
+func printReplayed(w io.Writer, rep replayReport) error {
+	msg := fmt.Sprintf("replayed %d message%s", rep.Replayed, plural(rep.Replayed, "", "s"))
+	switch {
+	case rep.Replayed == 0:
+	case rep.Rate != nil && rep.Replayed > 1:
+		first, last := rep.Messages[0].NextRunAt, rep.Messages[len(rep.Messages)-1].NextRunAt
+		msg += fmt.Sprintf(" at %s/s: due from %s to %s (over %s)", formatRate(*rep.Rate), formatTime(first), formatTime(last), humanDuration(last.Sub(first)))
+	default:
+		msg += ", due now"
+	}
+	if rep.LeftAlone > 0 {
+		msg += fmt.Sprintf("; %d changed since the preview and %s left alone", rep.LeftAlone, plural(rep.LeftAlone, "was", "were"))
+	}
+	_, err := fmt.Fprintln(w, msg)
+	return err
+}

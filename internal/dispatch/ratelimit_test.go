@@ -1,0 +1,193 @@
+package dispatch
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/IBM/sarama"
+
+	"github.com/deferq/scheduler/internal/keylock"
+)
+
+// stamps returns the producer timestamps of the collected messages of topic.
+func stamps(c *collector, topic string) []time.Time {
+	var out []time.Time
+	for _, m := range c.snapshot() {
+		if m.Topic == topic {
+			out = append(out, m.Timestamp)
+		}
+	}
+	return out
+}
+
+// within counts the times in [from, to).
+func within(ts []time.Time, from, to time.Time) int {
+	n := 0
+	for _, t := range ts {
+		if !t.Before(from) && t.Before(to) {
+			n++
+		}
+	}
+	return n
+}
+
+// A rate limit paces its target against the clock, shared by every loop,
+// while another target flows at full speed; raising it changes the pace
+// within a second, pausing stops the target while others flow, and removing
+// it lets the rest out at once.
+func TestRateLimitedTargetPaced(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA, topicB)
+	ctx := context.Background()
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := e.pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	const limited = 400
+	exec(`INSERT INTO target_control (target_topic, rate_limit) VALUES ($1, 20)`, topicB)
+	insert := func(prefix, target string, n int) {
+		t.Helper()
+		// Some keys get two messages: a limited key still goes one message
+		// per token.
+		exec(`INSERT INTO deferred_message (business_key, target_topic, next_run_at, key, value)
+			SELECT $1 || (i / 2), $2, now(), convert_to($1 || (i / 2), 'UTF8'), convert_to(i::text, 'UTF8')
+			FROM generate_series(1, $3::int) AS i`, prefix, target, n)
+	}
+	insert("b", topicB, limited)
+	insert("a", topicA, 300)
+
+	// Two loops share the bucket, as two replicas would.
+	t0 := time.Now()
+	runCtx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	loops := make([]*Dispatcher, 2)
+	for i := range loops {
+		loops[i] = e.dispatcher(fmt.Sprintf("loop-%d", i), time.Minute, allowAll)
+		loops[i].cfg.PollInterval = time.Second
+		wg.Go(func() {
+			if err := loops[i].Run(runCtx, time.Now().Add(time.Minute), nil); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	defer func() {
+		cancel()
+		wg.Wait()
+	}()
+
+	// The unlimited target is not slowed down by the limited one.
+	col.wait(t, 300, 3*time.Second)
+	if n := within(stamps(col, topicA), t0, t0.Add(2*time.Second)); n != 300 {
+		t.Errorf("%d of 300 messages of the unlimited target published within 2s", n)
+	}
+
+	// 20/s: the one-second burst at once, then 20 a second.
+	time.Sleep(time.Until(t0.Add(3 * time.Second)))
+	b := stamps(col, topicB)
+	t.Logf("20/s: %d in the first 500ms, %d from 1s to 3s", within(b, t0, t0.Add(500*time.Millisecond)),
+		within(b, t0.Add(time.Second), t0.Add(3*time.Second)))
+	if n := within(b, t0, t0.Add(500*time.Millisecond)); n < 20 || n > 39 {
+		t.Errorf("%d messages in the first 500ms, want the burst of 20 plus about 10", n)
+	}
+	if n := within(b, t0.Add(time.Second), t0.Add(3*time.Second)); n < 28 || n > 52 {
+		t.Errorf("%d messages from 1s to 3s at 20/s, want 40 ± 30%%", n)
+	}
+
+	// Raised to 60/s: the pace follows within a second.
+	t1 := time.Now()
+	exec(`UPDATE target_control SET rate_limit = 60 WHERE target_topic = $1`, topicB)
+	time.Sleep(time.Until(t1.Add(3 * time.Second)))
+	t.Logf("60/s: %d from 1s to 3s", within(stamps(col, topicB), t1.Add(time.Second), t1.Add(3*time.Second)))
+	if n := within(stamps(col, topicB), t1.Add(time.Second), t1.Add(3*time.Second)); n < 84 || n > 156 {
+		t.Errorf("%d messages from 1s to 3s after raising the limit to 60/s, want 120 ± 30%%", n)
+	}
+
+	// Paused: nothing of it goes out, while another target flows.
+	t2 := time.Now()
+	exec(`UPDATE target_control SET paused = true WHERE target_topic = $1`, topicB)
+	time.Sleep(300 * time.Millisecond)
+	insert("c", topicA, 100)
+	col.wait(t, 400+len(stamps(col, topicB)), 2*time.Second)
+	time.Sleep(time.Until(t2.Add(1300 * time.Millisecond)))
+	if n := within(stamps(col, topicB), t2.Add(300*time.Millisecond), t2.Add(1300*time.Millisecond)); n != 0 {
+		t.Errorf("%d messages of the paused target published", n)
+	}
+	sent := len(stamps(col, topicB))
+	if sent >= limited {
+		t.Fatalf("all %d limited messages went out before the end of the test; it measured nothing", sent)
+	}
+
+	// Resumed without a limit: the rest goes out at once.
+	t3 := time.Now()
+	exec(`UPDATE target_control SET paused = false, rate_limit = NULL WHERE target_topic = $1`, topicB)
+	col.wait(t, 400+limited, 3*time.Second)
+	if took := time.Since(t3); took > 2*time.Second {
+		t.Errorf("the last %d messages took %v once the limit was removed", limited-sent, took)
+	}
+	checkKeyOrder(t, col.snapshot())
+}
+
+// checkKeyOrder fails if two messages of one record key came out of order
+// (values are increasing integers per key).
+func checkKeyOrder(t *testing.T, ms []*sarama.ConsumerMessage) {
+	t.Helper()
+	last := map[string]int{}
+	for _, m := range ms {
+		var v int
+		if _, err := fmt.Sscan(string(m.Value), &v); err != nil {
+			t.Fatalf("value %q: %v", m.Value, err)
+		}
+		k := m.Topic + "/" + string(m.Key)
+		if p, ok := last[k]; ok && v < p {
+			t.Errorf("key %s: %d after %d", k, v, p)
+		}
+		last[k] = v
+	}
+}
+
+// A loop that is told (by a notification) that target_control changed reads
+// the rate-limited targets again at once: a target that was just limited is
+// skipped by the main claim at once, so with a stale list it would send
+// nothing until the list expired. Here the list never expires on its own.
+func TestNotificationRefreshesLimitedTargets(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicB)
+	wake := make(chan struct{}, 1)
+	l, err := keylock.New(e.pool, keylock.Config{Owner: "loop", Lease: time.Minute, PerKey: 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(l, e.producer, wake, Config{BatchKeys: 100, PollInterval: 20 * time.Millisecond, Targets: allowAll},
+		testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.limitedFor = time.Hour
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- d.Run(ctx, time.Now().Add(time.Minute), nil) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Error(err)
+		}
+	}()
+	// The loop has read the (empty) list of limited targets.
+	time.Sleep(200 * time.Millisecond)
+
+	e.exec(`INSERT INTO target_control (target_topic, rate_limit) VALUES ($1, 1000)`, topicB)
+	e.exec(`INSERT INTO deferred_message (business_key, target_topic, next_run_at, key, value)
+		SELECT 'k' || i, $1, now(), convert_to('k' || i, 'UTF8'), convert_to(i::text, 'UTF8')
+		FROM generate_series(1, 5) AS i`, topicB)
+	time.Sleep(300 * time.Millisecond)
+	if n := len(col.snapshot()); n != 0 {
+		t.Fatalf("%d messages of the newly limited target went out before any notification; the test shows nothing", n)
+	}
+	wake <- struct{}{}
+	col.wait(t, 5, 5*time.Second)
+}

@@ -1,0 +1,36 @@
+-- Lease up to $1 dead-letter copies to publish: parked messages that name a
+-- dead-letter topic, whose copy has not been acknowledged yet and that no
+-- publisher holds (dlq_leased_until unset or passed), oldest first. The
+-- lease runs until now() + $2 (interval), which must outlast the longest
+-- publish. It commits with this statement: the caller publishes with no
+-- transaction open (DESIGN.md section 4), then marks what the broker
+-- acknowledged (dlq_mark_published.sql) and backs off what failed
+-- (dlq_back_off.sql), each in a short statement of its own. Holding no row
+-- lock across the publish keeps vacuum going and lets an operator replay or
+-- delete a row being published at once. A lease that passes (its publisher
+-- crashed) makes the copy claimable again; SKIP LOCKED only keeps two
+-- publishers claiming at the same instant off each other's rows.
+--
+-- Returns what the copy carries: the record and the failure context, and
+-- parked_at, which names this stay in the parking lot: the mark and the
+-- back-off apply only while it is unchanged. A row inserted already parked
+-- (ingest parks exhausted messages) has no parked_at (the touch trigger
+-- sets it on UPDATE only): it was parked when it was last written, and its
+-- parked_at is set to that now, before this very statement moves updated_at.
+WITH picked AS MATERIALIZED (
+    SELECT id
+    FROM deferred_message
+    WHERE state = 'parked' AND dlq_topic IS NOT NULL AND dlq_published_at IS NULL
+      AND (dlq_leased_until IS NULL OR dlq_leased_until <= now())
+    ORDER BY id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE deferred_message m
+SET dlq_leased_until = now() + $2::interval,
+    parked_at = coalesce(m.parked_at, m.updated_at)
+FROM picked p
+WHERE m.id = p.id
+RETURNING m.id, m.seq, m.target_topic, m.attempt, m.redrive_count, m.dlq_topic, m.reason, m.error_class,
+          m.error_message, m.parked_at, m.source_topic, m.source_partition, m.source_offset,
+          m.key, m.value, m.header_keys, m.header_values

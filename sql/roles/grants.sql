@@ -1,0 +1,92 @@
+-- grants.sql: the grants that need the scheduler's tables to exist.
+--
+-- What, for the roles roles.sql created:
+--   - the operator may UPDATE and DELETE deferred_message (expedite, park,
+--     replay, fix a rejected row; cancel) and INSERT and UPDATE
+--     target_control (pause, resume, limit); nothing else besides reading;
+--   - the service only reads the migration bookkeeping (scheduler_migration,
+--     river_migration): only `scheduler migrate`, as the owner, writes it;
+--   - the triggers on deferred_message and target_control that keep
+--     deferred_key and deferred_attempt true run as the owner (SECURITY
+--     DEFINER, with search_path pinned to the schema and pg_temp last), so
+--     that a role may edit those two tables without being allowed to write
+--     the derived ones directly: the operator can expedite a message or
+--     pause a target, and the heads follow, but cannot UPDATE deferred_key
+--     itself;
+--   - objects the owner had before roles.sql set its default privileges (a
+--     database migrated before the roles existed, then handed to the owner)
+--     get the same grants as new ones.
+-- When: after `scheduler migrate`, as the owner role (or an administrator),
+-- with the same variables given to roles.sql. Run it again after every
+-- `scheduler migrate` that applied something: a migration that replaces a
+-- trigger function resets it to run as the caller. Running it again changes
+-- nothing that is already right.
+-- Call:
+--   psql "$OWNER_URL" -v service=scheduler_service -v operator=scheduler_operator \
+--        -v schema=public -f sql/roles/grants.sql
+
+\set ON_ERROR_STOP on
+\set QUIET on
+\if :{?service}
+\else
+  \set service scheduler_service
+\endif
+\if :{?operator}
+\else
+  \set operator scheduler_operator
+\endif
+\if :{?schema}
+\else
+  \set schema public
+\endif
+
+BEGIN;
+
+-- Objects of the owner of deferred_message, in the schema: what
+-- `scheduler migrate` created. Their grants, as roles.sql's default privileges
+-- give them; a no-op for objects created after roles.sql.
+SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON %s TO %I', c.oid::regclass, :'service'),
+       format('GRANT SELECT ON %s TO %I', c.oid::regclass, :'operator')
+FROM pg_class c
+WHERE c.relnamespace = :'schema'::regnamespace
+  AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+  AND c.relowner = (SELECT relowner FROM pg_class WHERE oid = format('%I.deferred_message', :'schema')::regclass)
+ORDER BY c.relname \gexec
+SELECT format('GRANT USAGE, SELECT ON SEQUENCE %s TO %I', c.oid::regclass, :'service')
+FROM pg_class c
+WHERE c.relnamespace = :'schema'::regnamespace
+  AND c.relkind = 'S'
+  AND c.relowner = (SELECT relowner FROM pg_class WHERE oid = format('%I.deferred_message', :'schema')::regclass)
+ORDER BY c.relname \gexec
+
+-- The operator's writes. UPDATE covers expedite (next_run_at), park and
+-- replay (state, reason, park_holds_key, redrive_count, attempt) and fixing
+-- a rejected row by hand before replaying it (target_topic, ...): column
+-- grants would break that last one. DELETE is cancel: the runbook's
+-- cancel_id.sql and `scheduler cancel` delete the row, which is what the
+-- README's SQL contract promises operators; the history in deferred_attempt
+-- stays.
+GRANT UPDATE, DELETE ON :"schema".deferred_message TO :"operator";
+GRANT INSERT, UPDATE ON :"schema".target_control TO :"operator";
+
+-- Only `scheduler migrate` writes the migration bookkeeping.
+REVOKE INSERT, UPDATE, DELETE ON :"schema".scheduler_migration, :"schema".river_migration FROM :"service";
+
+-- The AFTER triggers of the tables the operator writes keep derived state:
+-- those of deferred_message write deferred_key and deferred_attempt, those
+-- of target_control flag the heads of a paused or rate-limited target in
+-- deferred_key. Trigger functions run as the role whose statement fired
+-- them, so without this the operator would need to be allowed to write
+-- those tables directly. BEFORE triggers only adjust the row being written
+-- and stay as they are: they run once per row, and a SECURITY DEFINER call
+-- costs a little more than a plain one.
+SELECT DISTINCT format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = %I, pg_temp', t.tgfoid::regprocedure, :'schema')
+FROM pg_trigger t
+WHERE t.tgrelid IN (format('%I.deferred_message', :'schema')::regclass, format('%I.target_control', :'schema')::regclass)
+  AND NOT t.tgisinternal
+  AND t.tgtype & 2 = 0 -- not BEFORE
+\gexec
+
+COMMIT;
+
+\echo grants ready: service :service, operator :operator, schema :schema
