@@ -1,0 +1,211 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// The benchmark in its smallest mode, so that it cannot rot: it must run to
+// the end against the real service, and report every RESULT key as a number
+// with every message delivered in per-key order. Speed is not checked: make
+// test must not depend on the machine.
+func TestSmokeRun(t *testing.T) {
+	cfg := modes["smoke"]
+	cfg.DatabaseURL = pgtest.AdminURL(t)
+	var out, progress bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	if err := run(ctx, cfg, &out, &progress); err != nil {
+		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
+	}
+	report := strings.TrimRight(out.String(), "\n")
+	lines := strings.Split(report, "\n")
+	last := lines[len(lines)-1]
+	if !strings.HasPrefix(last, "RESULT ") {
+		t.Fatalf("last line is not the RESULT line: %q\nreport:\n%s", last, report)
+	}
+	vals, err := parseResult(last)
+	if err != nil {
+		t.Fatalf("RESULT line %q: %v", last, err)
+	}
+	for _, k := range requiredKeys {
+		if _, ok := vals[k]; !ok {
+			t.Errorf("RESULT lacks %s: %s", k, last)
+		}
+	}
+	if vals["expected"] == 0 || vals["delivered"] != vals["expected"] {
+		t.Errorf("delivered %v of %v messages", vals["delivered"], vals["expected"])
+	}
+	if vals["out_of_order"] != 0 {
+		t.Errorf("%v messages out of per-key order", vals["out_of_order"])
+	}
+	for _, k := range []string{"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s",
+		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb"} {
+		if vals[k] <= 0 {
+			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
+		}
+	}
+	if vals["backlog_rows"] != float64(cfg.Backlog) {
+		t.Errorf("backlog_rows = %v, want %d", vals["backlog_rows"], cfg.Backlog)
+	}
+	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "machine:", "database: PostgreSQL"} {
+		if !strings.Contains(report, section) {
+			t.Errorf("report lacks %q:\n%s", section, report)
+		}
+	}
+	if t.Failed() {
+		t.Logf("report:\n%s", report)
+	}
+}
+
+// parseResult reads a RESULT line's key=value pairs, all numeric.
+func parseResult(line string) (map[string]float64, error) {
+	vals := map[string]float64{}
+	for _, kv := range strings.Fields(strings.TrimPrefix(line, "RESULT ")) {
+		k, v, ok := strings.Cut(kv, "=")
+		if !ok {
+			return nil, &strconv.NumError{Func: "pair", Num: kv, Err: strconv.ErrSyntax}
+		}
+		f, err := strconv.ParseFloat(v, 64)
+		if err != nil {
+			return nil, err
+		}
+		if _, dup := vals[k]; dup {
+			return nil, &strconv.NumError{Func: "duplicate key", Num: k, Err: strconv.ErrSyntax}
+		}
+		vals[k] = f
+	}
+	return vals, nil
+}
+
+func TestPercentile(t *testing.T) {
+	ms := func(ns ...int) []time.Duration {
+		out := make([]time.Duration, len(ns))
+		for i, n := range ns {
+			out[i] = time.Duration(n) * time.Millisecond
+		}
+		return out
+	}
+	hundred := make([]int, 100)
+	for i := range hundred {
+		hundred[i] = 100 - i // descending: percentile must sort
+	}
+	for _, tc := range []struct {
+		name string
+		in   []time.Duration
+		q    float64
+		want time.Duration
+	}{
+		{"empty", nil, 0.99, 0},
+		{"one", ms(7), 0.5, 7 * time.Millisecond},
+		{"median of odd", ms(3, 1, 2), 0.5, 2 * time.Millisecond},
+		{"p99 of 100", ms(hundred...), 0.99, 99 * time.Millisecond},
+		{"max", ms(hundred...), 1, 100 * time.Millisecond},
+		{"p50 of 100", ms(hundred...), 0.5, 50 * time.Millisecond},
+		{"negative values", ms(-2, 5, 1), 0.5, time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := percentile(tc.in, tc.q); got != tc.want {
+				t.Errorf("percentile(%v, %v) = %v, want %v", tc.in, tc.q, got, tc.want)
+			}
+		})
+	}
+}
+
+func TestVerify(t *testing.T) {
+	d := func(key string, i int) delivery { return delivery{key: key, index: i} }
+	for _, tc := range []struct {
+		name string
+		in   []delivery
+		n    int
+		want check
+	}{
+		{"all in order", []delivery{d("a", 0), d("b", 1), d("a", 2)}, 3, check{expected: 3, delivered: 3}},
+		{"missing", []delivery{d("a", 0), d("a", 2)}, 3, check{expected: 3, delivered: 2}},
+		{"duplicate", []delivery{d("a", 0), d("a", 0), d("a", 1)}, 2, check{expected: 2, delivered: 2, duplicates: 1}},
+		{"out of order within a key", []delivery{d("a", 2), d("b", 0), d("a", 1)}, 3, check{expected: 3, delivered: 3, outOfOrder: 1}},
+		{"other keys may interleave", []delivery{d("a", 1), d("b", 0)}, 2, check{expected: 2, delivered: 2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := verify(tc.in, tc.n); got != tc.want {
+				t.Errorf("verify = %+v, want %+v", got, tc.want)
+			}
+			if err := tc.want.err("x"); (err == nil) != (tc.want.delivered == tc.n && tc.want.outOfOrder == 0) {
+				t.Errorf("err() = %v for %+v", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestResultLine(t *testing.T) {
+	s := &summary{vals: map[string]float64{}}
+	s.set("e2e_msgs_per_s", 12345.6)
+	s.set("p99_lateness_ms", 12.345)
+	s.set("e2e_vs_ceiling", 0.41234)
+	s.set("e2e_msgs_per_s", 20000) // a second set replaces, keeping the order
+	want := "RESULT e2e_msgs_per_s=20000 p99_lateness_ms=12.3 e2e_vs_ceiling=0.412"
+	if got := s.resultLine(); got != want {
+		t.Errorf("resultLine() = %q, want %q", got, want)
+	}
+	vals, err := parseResult(want)
+	if err != nil || len(vals) != 3 || vals["e2e_vs_ceiling"] != 0.412 {
+		t.Errorf("parseResult(%q) = %v, %v", want, vals, err)
+	}
+}
+
+func TestPayloadIndex(t *testing.T) {
+	for _, i := range []int{0, 1, 999_999_999} {
+		p := payload(i)
+		if len(p) != 128 {
+			t.Errorf("payload(%d) is %d bytes, want 128", i, len(p))
+		}
+		if got, ok := index(p); !ok || got != i {
+			t.Errorf("index(payload(%d)) = %d, %v", i, got, ok)
+		}
+	}
+	if _, ok := index([]byte("not a payload")); ok {
+		t.Error("index accepted a foreign value")
+	}
+}
+
+func TestConfigFromEnv(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		environ []string
+		mode    string
+		n       int
+		wantErr string
+	}{
+		{"default is full", nil, "full", 100_000, ""},
+		{"quick", []string{"BENCH_QUICK=1"}, "quick", 20_000, ""},
+		{"smoke wins over quick", []string{"BENCH_QUICK=true", "BENCH_SMOKE=1"}, "smoke", 300, ""},
+		{"off", []string{"BENCH_QUICK=0"}, "full", 100_000, ""},
+		{"N overrides", []string{"BENCH_QUICK=1", "BENCH_N=5000"}, "quick", 5000, ""},
+		{"bad switch", []string{"BENCH_QUICK=yes please"}, "", 0, "BENCH_QUICK"},
+		{"N too small", []string{"BENCH_N=10"}, "", 0, "BENCH_N"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := configFromEnv(tc.environ)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("configFromEnv(%q) error = %v, want one naming %s", tc.environ, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("configFromEnv(%q): %v", tc.environ, err)
+			}
+			if cfg.Mode != tc.mode || cfg.N != tc.n {
+				t.Errorf("configFromEnv(%q) = mode %s, N %d; want %s, %d", tc.environ, cfg.Mode, cfg.N, tc.mode, tc.n)
+			}
+		})
+	}
+}

@@ -1,0 +1,517 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/url"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime/pprof"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/twmb/franz-go/pkg/kfake"
+
+	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/migrations"
+)
+
+// dbMaxConns is the pool size of every in-process contender: the service's
+// default DB_MAX_CONNS, so nobody gets more connections than the service.
+const dbMaxConns = 20
+
+// postgres is the server the bench works on: a throwaway cluster, or the
+// server of DATABASE_URL. Every contender gets a fresh database, cloned from a
+// migrated template, so that none inherits another's dead tuples.
+type postgres struct {
+	cluster  *pglocal.Cluster // nil when DATABASE_URL is used
+	adminURL string
+	admin    *pgxpool.Pool
+	prefix   string // of every database the bench creates
+	tmpl     string
+
+	mu      sync.Mutex
+	created []string
+}
+
+// startPostgres connects to dbURL, or starts a throwaway cluster when it is
+// empty (installing the server package first when missing and running as
+// root, as `scheduler demo` does), and creates the migrated template. With
+// explain, a throwaway cluster logs the plan of every statement slower than
+// 200ms (auto_explain, nested statements included), for close to save.
+func startPostgres(ctx context.Context, dbURL string, explain bool, say func(string, ...any)) (_ *postgres, err error) {
+	p := &postgres{adminURL: dbURL, prefix: fmt.Sprintf("bench_%d_", os.Getpid())}
+	defer func() {
+		if err != nil {
+			_ = p.close(context.WithoutCancel(ctx), "") // the error that got us here says more
+		}
+	}()
+	if dbURL == "" {
+		if _, err := pglocal.Binaries(); err != nil {
+			say("PostgreSQL server binaries not found; installing the postgresql package")
+			if err := pglocal.Install(ctx, os.Stderr); err != nil {
+				return nil, err
+			}
+		}
+		say("starting a throwaway PostgreSQL cluster")
+		if p.cluster, err = pglocal.Start(ctx, pglocal.Options{}); err != nil {
+			return nil, err
+		}
+		p.adminURL = p.cluster.URL("postgres")
+	}
+	if p.admin, err = pgxpool.New(ctx, p.adminURL); err != nil {
+		return nil, fmt.Errorf("connect to the bench's PostgreSQL: %w", err)
+	}
+	if p.cluster != nil && explain {
+		// The plans of slow statements, including those inside the
+		// triggers, go to the server log, which close copies out.
+		for _, stmt := range []string{
+			"LOAD 'auto_explain'",
+			"ALTER SYSTEM SET session_preload_libraries = 'auto_explain'",
+			"ALTER SYSTEM SET auto_explain.log_min_duration = '200ms'",
+			"ALTER SYSTEM SET auto_explain.log_nested_statements = on",
+			"SELECT pg_reload_conf()",
+		} {
+			if _, err := p.admin.Exec(ctx, stmt); err != nil {
+				return nil, fmt.Errorf("set up auto_explain: %s: %w", stmt, err)
+			}
+		}
+	}
+	if err := p.admin.Ping(ctx); err != nil {
+		return nil, fmt.Errorf("connect to the bench's PostgreSQL: %w", err)
+	}
+	p.tmpl = p.prefix + "template"
+	if err := p.create(ctx, p.tmpl, ""); err != nil {
+		return nil, err
+	}
+	tu, err := p.url(p.tmpl)
+	if err != nil {
+		return nil, err
+	}
+	tp, err := pgxpool.New(ctx, tu)
+	if err != nil {
+		return nil, fmt.Errorf("connect to template database %s: %w", p.tmpl, err)
+	}
+	// Closed before any clone: CREATE DATABASE ... TEMPLATE fails while
+	// anyone is connected to the template.
+	defer tp.Close()
+	if _, err := migrations.Apply(ctx, tp, slog.New(slog.DiscardHandler)); err != nil {
+		return nil, fmt.Errorf("migrate template database %s: %w", p.tmpl, err)
+	}
+	return p, nil
+}
+
+// create creates database name, from template tmpl unless tmpl is "".
+func (p *postgres) create(ctx context.Context, name, tmpl string) error {
+	stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
+	if tmpl != "" {
+		stmt += " TEMPLATE " + pgx.Identifier{tmpl}.Sanitize()
+	}
+	if _, err := p.admin.Exec(ctx, stmt); err != nil {
+		return fmt.Errorf("create database %s (the bench needs CREATEDB on DATABASE_URL's server): %w", name, err)
+	}
+	p.mu.Lock()
+	p.created = append(p.created, name)
+	p.mu.Unlock()
+	return nil
+}
+
+// url returns the URL of database name on the bench's server.
+func (p *postgres) url(name string) (string, error) {
+	u, err := url.Parse(p.adminURL)
+	if err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		return "", fmt.Errorf("DATABASE_URL must be a postgres:// URL (the bench creates databases next to its database)")
+	}
+	u.Path = "/" + name
+	return u.String(), nil
+}
+
+// database is one contender's fresh database.
+type database struct {
+	name string
+	url  string
+	pool *pgxpool.Pool
+}
+
+// fresh creates a database for one contender, cloned from the migrated
+// template, with a pool of dbMaxConns connections.
+func (p *postgres) fresh(ctx context.Context, label string) (*database, error) {
+	name := p.prefix + label
+	if err := p.create(ctx, name, p.tmpl); err != nil {
+		return nil, err
+	}
+	u, err := p.url(name)
+	if err != nil {
+		return nil, err
+	}
+	pc, err := pgxpool.ParseConfig(u)
+	if err != nil {
+		return nil, fmt.Errorf("database %s: %w", name, err)
+	}
+	pc.MaxConns = dbMaxConns
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("connect to database %s: %w", name, err)
+	}
+	return &database{name: name, url: u, pool: pool}, nil
+}
+
+// drop closes d's pool and drops it, so that later contenders do not share
+// the disk and cache with its leftovers.
+func (p *postgres) drop(ctx context.Context, d *database) error {
+	d.pool.Close()
+	if _, err := p.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{d.name}.Sanitize()+" WITH (FORCE)"); err != nil {
+		return fmt.Errorf("drop database %s: %w", d.name, err)
+	}
+	p.mu.Lock()
+	for i, n := range p.created {
+		if n == d.name {
+			p.created = append(p.created[:i], p.created[i+1:]...)
+			break
+		}
+	}
+	p.mu.Unlock()
+	return nil
+}
+
+// close drops every database the bench created and stops the throwaway
+// cluster, copying its server log to saveLog first when that is not "".
+func (p *postgres) close(ctx context.Context, saveLog string) error {
+	var errs []error
+	if p.cluster != nil && saveLog != "" {
+		if b, err := os.ReadFile(filepath.Join(p.cluster.Dir(), "server.log")); err != nil {
+			errs = append(errs, fmt.Errorf("read the server log: %w", err))
+		} else if err := os.WriteFile(saveLog, b, 0o644); err != nil {
+			errs = append(errs, fmt.Errorf("save the server log: %w", err))
+		}
+	}
+	if p.admin != nil {
+		p.mu.Lock()
+		names := append([]string(nil), p.created...)
+		p.mu.Unlock()
+		if p.cluster == nil { // a throwaway cluster goes as a whole
+			for _, n := range names {
+				if _, err := p.admin.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{n}.Sanitize()+" WITH (FORCE)"); err != nil {
+					errs = append(errs, fmt.Errorf("drop database %s: %w", n, err))
+				}
+			}
+		}
+		p.admin.Close()
+	}
+	if p.cluster != nil {
+		if err := p.cluster.Stop(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("stop throwaway PostgreSQL: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// serverInfo describes the server for the report: version and the settings
+// that matter most for write throughput.
+func (p *postgres) serverInfo(ctx context.Context) string {
+	var version, fsync, syncCommit, sharedBuffers string
+	err := p.admin.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'),
+		current_setting('synchronous_commit'), current_setting('shared_buffers')`).Scan(&version, &fsync, &syncCommit, &sharedBuffers)
+	if err != nil {
+		return "unknown (" + err.Error() + ")"
+	}
+	where := "DATABASE_URL"
+	if p.cluster != nil {
+		where = "throwaway cluster (internal/pglocal)"
+	}
+	return fmt.Sprintf("PostgreSQL %s, %s, fsync=%s synchronous_commit=%s shared_buffers=%s",
+		version, where, fsync, syncCommit, sharedBuffers)
+}
+
+// postmasterPID returns the server's postmaster process id when the server
+// runs on this machine and its data directory is readable, else 0: CPU
+// accounting then leaves Postgres out.
+func (p *postgres) postmasterPID(ctx context.Context) int {
+	var dir string
+	if p.cluster != nil {
+		dir = filepath.Join(p.cluster.Dir(), "data")
+	} else if err := p.admin.QueryRow(ctx, "SELECT current_setting('data_directory')").Scan(&dir); err != nil {
+		return 0
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "postmaster.pid"))
+	if err != nil {
+		return 0
+	}
+	line, _, _ := strings.Cut(string(b), "\n")
+	pid, err := strconv.Atoi(strings.TrimSpace(line))
+	if err != nil {
+		return 0
+	}
+	return pid
+}
+
+// startKafka starts an in-process broker with the given topics. Each
+// contender gets its own, so that none reads another's records and kfake's
+// in-memory logs are freed between contenders. Its goroutines carry the
+// profiler label component=kfake, so CPU profiles tell the broker apart.
+func startKafka(partitions int32, topics ...string) (*kfake.Cluster, string, error) {
+	var (
+		c   *kfake.Cluster
+		err error
+	)
+	pprof.Do(context.Background(), pprof.Labels("component", "kfake"), func(context.Context) {
+		c, err = kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(partitions, topics...))
+	})
+	if err != nil {
+		return nil, "", fmt.Errorf("start in-process Kafka broker: %w", err)
+	}
+	return c, c.ListenAddrs()[0], nil
+}
+
+// buildScheduler builds ./cmd/scheduler into dir and returns its path.
+func buildScheduler(ctx context.Context, dir string) (string, error) {
+	bin := filepath.Join(dir, "scheduler")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/deferq/scheduler/cmd/scheduler")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("go build ./cmd/scheduler: %w\n%s", err, out)
+	}
+	return bin, nil
+}
+
+// service is a running `scheduler run` subprocess.
+type service struct {
+	cmd  *exec.Cmd
+	http string
+	logs *tail
+	done chan struct{}
+}
+
+// startService runs `scheduler run` with the service's defaults except what
+// the bench's environment requires, and waits until /readyz answers 200.
+func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer) (*service, error) {
+	addr, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	s := &service{http: addr, logs: &tail{max: 64 << 10}, done: make(chan struct{})}
+	s.cmd = exec.Command(bin, "run")
+	// Nothing inherited: the service sees its defaults and these only.
+	s.cmd.Env = []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers,
+		"TARGET_TOPICS=bench.*", "HTTP_ADDR=" + addr}
+	var w io.Writer = s.logs
+	if logs != nil {
+		w = io.MultiWriter(s.logs, logs)
+	}
+	s.cmd.Stdout, s.cmd.Stderr = w, w
+	if err := s.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s run: %w", bin, err)
+	}
+	go func() {
+		_ = s.cmd.Wait() // the exit status is read from ProcessState
+		close(s.done)
+	}()
+	deadline := time.Now().Add(60 * time.Second)
+	client := &http.Client{Timeout: 3 * time.Second}
+	for {
+		resp, err := client.Get("http://" + addr + "/readyz")
+		if err == nil {
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return s, nil
+			}
+			err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(body))
+		}
+		select {
+		case <-s.done:
+			return nil, fmt.Errorf("scheduler exited during start-up (%v); its last output:\n%s", s.cmd.ProcessState, s.logs)
+		case <-ctx.Done():
+			s.kill()
+			return nil, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			s.kill()
+			return nil, fmt.Errorf("scheduler not ready within 60s (%v); its last output:\n%s", err, s.logs)
+		}
+	}
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("find a free port for the service's HTTP_ADDR: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+// memory reads the service's peak and current resident set size.
+func (s *service) memory() (hwm, rss int64, err error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", s.cmd.Process.Pid))
+	if err != nil {
+		return 0, 0, fmt.Errorf("read the service's memory: %w", err)
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		name, rest, ok := strings.Cut(sc.Text(), ":")
+		if !ok || (name != "VmHWM" && name != "VmRSS") {
+			continue
+		}
+		fields := strings.Fields(rest) // "12345 kB"
+		if len(fields) != 2 || fields[1] != "kB" {
+			return 0, 0, fmt.Errorf("unexpected %s line in /proc/%d/status: %q", name, s.cmd.Process.Pid, sc.Text())
+		}
+		kb, err := strconv.ParseInt(fields[0], 10, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("unexpected %s line in /proc/%d/status: %q", name, s.cmd.Process.Pid, sc.Text())
+		}
+		if name == "VmHWM" {
+			hwm = kb << 10
+		} else {
+			rss = kb << 10
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, 0, fmt.Errorf("read the service's memory: %w", err)
+	}
+	if hwm == 0 || rss == 0 {
+		return 0, 0, fmt.Errorf("no VmHWM/VmRSS in /proc/%d/status", s.cmd.Process.Pid)
+	}
+	return hwm, rss, nil
+}
+
+// stop sends SIGTERM and requires a clean exit within a minute.
+func (s *service) stop() error {
+	if err := s.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		return fmt.Errorf("stop the scheduler: %w", err)
+	}
+	select {
+	case <-s.done:
+	case <-time.After(time.Minute):
+		s.kill()
+		return fmt.Errorf("scheduler did not stop within a minute of SIGTERM; its last output:\n%s", s.logs)
+	}
+	if code := s.cmd.ProcessState.ExitCode(); code != 0 {
+		return fmt.Errorf("scheduler exited with code %d after SIGTERM; its last output:\n%s", code, s.logs)
+	}
+	return nil
+}
+
+// kill ends the process at once (errors and cancellation only).
+func (s *service) kill() {
+	_ = s.cmd.Process.Kill() // it may have exited already
+	<-s.done
+}
+
+// tail keeps the last max bytes written to it: enough of the service's log to
+// explain a failure without holding a long run's log in memory.
+type tail struct {
+	mu  sync.Mutex
+	max int
+	buf []byte
+}
+
+func (t *tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.buf = append(t.buf, p...)
+	if over := len(t.buf) - t.max; over > 0 {
+		t.buf = append(t.buf[:0], t.buf[over:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tail) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.buf)
+}
+
+// cpuTimes is CPU time spent so far by the parts of a run.
+type cpuTimes struct {
+	service  time.Duration // the scheduler subprocess (0 when none runs)
+	postgres time.Duration // the server's processes (0 when not readable)
+	bench    time.Duration // this process: kfake, load generators, in-process contenders
+}
+
+func (a cpuTimes) sub(b cpuTimes) cpuTimes {
+	return cpuTimes{a.service - b.service, a.postgres - b.postgres, a.bench - b.bench}
+}
+
+// userHZ is the unit of the times in /proc/PID/stat; Linux fixes it at 100
+// for user space whatever the kernel's internal tick.
+const userHZ = 100
+
+// sampleCPU reads the CPU time of the service (svcPID, 0 for none), of the
+// Postgres server whose postmaster is pmPID (0 for unknown: its processes and
+// the children it has reaped), and of this process.
+func sampleCPU(svcPID, pmPID int) cpuTimes {
+	var t cpuTimes
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) == nil {
+		t.bench = time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+	}
+	if svcPID > 0 {
+		if st, ok := procStat(svcPID); ok {
+			t.service = ticks(st.utime + st.stime)
+		}
+	}
+	if pmPID > 0 {
+		if st, ok := procStat(pmPID); ok {
+			total := st.utime + st.stime + st.cutime + st.cstime
+			entries, _ := os.ReadDir("/proc")
+			for _, e := range entries {
+				pid, err := strconv.Atoi(e.Name())
+				if err != nil || pid == pmPID {
+					continue
+				}
+				if c, ok := procStat(pid); ok && c.ppid == pmPID {
+					total += c.utime + c.stime
+				}
+			}
+			t.postgres = ticks(total)
+		}
+	}
+	return t
+}
+
+func ticks(n int64) time.Duration { return time.Duration(n) * time.Second / userHZ }
+
+type stat struct {
+	ppid                         int
+	utime, stime, cutime, cstime int64
+}
+
+// procStat parses /proc/PID/stat. The command name (field 2) may contain
+// spaces and parentheses, so fields are counted from its closing one.
+func procStat(pid int) (stat, bool) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return stat{}, false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return stat{}, false
+	}
+	f := strings.Fields(string(b[i+1:])) // f[0] is field 3 (state)
+	if len(f) < 15 {
+		return stat{}, false
+	}
+	num := func(j int) int64 {
+		n, _ := strconv.ParseInt(f[j], 10, 64)
+		return n
+	}
+	// Fields 4 (ppid) and 14-17 (utime, stime, cutime, cstime).
+	return stat{ppid: int(num(1)), utime: num(11), stime: num(12), cutime: num(13), cstime: num(14)}, true
+}

@@ -1,0 +1,148 @@
+// Command bench measures the scheduler end to end and side by side with what
+// bounds it, in one run, on one machine:
+//
+//   - the real service (the built ./cmd/scheduler binary, run as a
+//     subprocess with its defaults) fed through an in-process Kafka broker
+//     (kfake): ingest, dispatch and end-to-end throughput for three key
+//     shapes, with and without a backlog of far-future rows, dispatch
+//     lateness at a fixed offered load, and the process's memory;
+//   - the database ceiling: the service's own SQL (deferral.Store.Insert,
+//     keylock.Locker Claim and Finalize) with no Kafka at all;
+//   - the broker ceiling: sarama producing the same records to the same
+//     broker;
+//   - River alone, one job per message, as a user would build it instead;
+//   - the "1,000 messages/s" figure often quoted for database-backed queues.
+//
+// It prints a table for people and, as its last line, one line starting with
+// "RESULT " of key=value pairs for machines. `make bench` runs it;
+// BENCH_QUICK=1 makes a smaller run (under three minutes on two cores),
+// BENCH_SMOKE=1 a tiny one that only checks the program works (the test runs
+// that). It uses DATABASE_URL's server when set (creating and dropping
+// databases of its own there), else a throwaway cluster from
+// internal/pglocal. See docs/benchmarks.md.
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	cfg, err := configFromEnv(os.Environ())
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %v\n", err)
+		os.Exit(2)
+	}
+	if err := run(ctx, cfg, os.Stdout, os.Stderr); err != nil {
+		fmt.Fprintf(os.Stderr, "bench: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// config is one run's size and environment.
+type config struct {
+	// Mode names the size: smoke, quick or full.
+	Mode string
+	// N is the number of messages of each measured phase.
+	N int
+	// Warmup is the number of messages sent through each contender before
+	// anything is measured.
+	Warmup int
+	// Backlog is the number of far-future rows of the backlog scenario.
+	Backlog int
+	// LateRate and LateFor are the offered load and the duration of the
+	// lateness phase; LateLead is how far in the future each record's
+	// defer.at is when it is produced.
+	LateRate int
+	LateFor  time.Duration
+	LateLead time.Duration
+	// Partitions of every topic.
+	Partitions int32
+	// DatabaseURL is a server to create the bench's databases on; "" starts a
+	// throwaway cluster.
+	DatabaseURL string
+	// SchedulerBin is a built scheduler binary; "" builds ./cmd/scheduler.
+	SchedulerBin string
+	// ProfileDir, when set, receives CPU profiles of the in-process
+	// contenders (ceiling, broker, River) and, from a throwaway cluster, the
+	// server log with the plans of slow statements.
+	ProfileDir string
+	// ServiceLogs, when set, receives the service's own logs.
+	ServiceLogs io.Writer
+}
+
+// modes are the run sizes. Full is what docs/benchmarks.md records.
+var modes = map[string]config{
+	"full": {Mode: "full", N: 100_000, Warmup: 2_000, Backlog: 1_000_000,
+		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Partitions: 4},
+	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
+		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Partitions: 4},
+	// Smoke proves the program runs and reports; its numbers mean nothing.
+	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
+		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Partitions: 4},
+}
+
+// configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when
+// neither is set) and reads DATABASE_URL, BENCH_SCHEDULER, BENCH_PROFILE_DIR,
+// BENCH_VERBOSE, and BENCH_N (overrides the phase size).
+func configFromEnv(environ []string) (config, error) {
+	env := map[string]string{}
+	for _, kv := range environ {
+		if k, v, ok := strings.Cut(kv, "="); ok {
+			env[k] = v
+		}
+	}
+	on := func(name string) (bool, error) {
+		v := env[name]
+		if v == "" {
+			return false, nil
+		}
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return false, fmt.Errorf("%s=%q: want 1, 0, true or false", name, v)
+		}
+		return b, nil
+	}
+	smoke, err := on("BENCH_SMOKE")
+	if err != nil {
+		return config{}, err
+	}
+	quick, err := on("BENCH_QUICK")
+	if err != nil {
+		return config{}, err
+	}
+	verbose, err := on("BENCH_VERBOSE")
+	if err != nil {
+		return config{}, err
+	}
+	cfg := modes["full"]
+	switch {
+	case smoke:
+		cfg = modes["smoke"]
+	case quick:
+		cfg = modes["quick"]
+	}
+	if v := env["BENCH_N"]; v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 100 {
+			return config{}, fmt.Errorf("BENCH_N=%q: want an integer >= 100", v)
+		}
+		cfg.N = n
+	}
+	cfg.DatabaseURL = env["DATABASE_URL"]
+	cfg.SchedulerBin = env["BENCH_SCHEDULER"]
+	cfg.ProfileDir = env["BENCH_PROFILE_DIR"]
+	if verbose {
+		cfg.ServiceLogs = os.Stderr
+	}
+	return cfg, nil
+}

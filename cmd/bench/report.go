@@ -1,0 +1,417 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// bench is one run.
+type bench struct {
+	cfg   config
+	log   io.Writer // progress
+	start time.Time
+	pg    *postgres
+	pmPID int    // Postgres's postmaster, 0 if not on this machine
+	bin   string // the scheduler binary
+}
+
+func (b *bench) say(format string, args ...any) {
+	fmt.Fprintf(b.log, "[%6.1fs] %s\n", time.Since(b.start).Seconds(), fmt.Sprintf(format, args...))
+}
+
+// cpu samples CPU times, of the service with process id svcPID if not 0.
+func (b *bench) cpu(svcPID int) cpuTimes { return sampleCPU(svcPID, b.pmPID) }
+
+// profile starts a CPU profile of this process into ProfileDir/name.cpu.pprof
+// when ProfileDir is set, and returns the function that ends it.
+func (b *bench) profile(name string) (func(), error) {
+	if b.cfg.ProfileDir == "" {
+		return func() {}, nil
+	}
+	if err := os.MkdirAll(b.cfg.ProfileDir, 0o755); err != nil {
+		return nil, fmt.Errorf("BENCH_PROFILE_DIR: %w", err)
+	}
+	path := filepath.Join(b.cfg.ProfileDir, name+".cpu.pprof")
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("BENCH_PROFILE_DIR: %w", err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("CPU profile %s: %w", path, err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			b.say("writing CPU profile %s: %v", path, err)
+			return
+		}
+		b.say("wrote CPU profile %s", path)
+	}, nil
+}
+
+// results is everything a run measured.
+type results struct {
+	cfg       config
+	machine   []string
+	scenarios []scenario // own/0 (with lateness), hot/0, single/0, own/backlog
+	ceiling   ceilingResult
+	broker    brokerResult
+	river     riverResult
+}
+
+// run performs a whole benchmark and writes the report to out, progress to
+// log.
+func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
+	b := &bench{cfg: cfg, log: log, start: time.Now()}
+	res := &results{cfg: cfg}
+	b.say("mode %s: %d messages per phase, backlog %d rows, lateness %d msgs/s for %v", cfg.Mode, cfg.N, cfg.Backlog, cfg.LateRate, cfg.LateFor)
+	loadStart := loadAverage()
+
+	b.bin = cfg.SchedulerBin
+	if b.bin == "" {
+		dir, err := os.MkdirTemp("", "bench-scheduler-")
+		if err != nil {
+			return fmt.Errorf("temporary directory for the scheduler binary: %w", err)
+		}
+		defer os.RemoveAll(dir)
+		b.say("building ./cmd/scheduler")
+		if b.bin, err = buildScheduler(ctx, dir); err != nil {
+			return err
+		}
+	}
+	if b.pg, err = startPostgres(ctx, cfg.DatabaseURL, cfg.ProfileDir != "", b.say); err != nil {
+		return err
+	}
+	defer func() {
+		var saveLog string
+		if cfg.ProfileDir != "" && os.MkdirAll(cfg.ProfileDir, 0o755) == nil {
+			saveLog = filepath.Join(cfg.ProfileDir, "postgres.log")
+		}
+		err = errors.Join(err, b.pg.close(context.WithoutCancel(ctx), saveLog))
+	}()
+	b.pmPID = b.pg.postmasterPID(ctx)
+	pgInfo := b.pg.serverInfo(ctx)
+
+	for _, s := range []struct {
+		shape   shape
+		backlog int
+		late    bool
+	}{{ownKeys, 0, true}, {hotKeys, 0, false}, {oneKey, 0, false}, {ownKeys, cfg.Backlog, false}} {
+		b.say("scheduler: %s, %d far-future rows", s.shape.label, s.backlog)
+		sc, err := b.runScheduler(ctx, s.shape, s.backlog, s.late)
+		if err != nil {
+			return fmt.Errorf("scheduler, %s, backlog %d: %w", s.shape.label, s.backlog, err)
+		}
+		b.say("  ingest %.0f/s, dispatch %.0f/s, end to end %.0f/s", sc.ingest.perSecond(), sc.dispatch.perSecond(), sc.e2e.perSecond())
+		res.scenarios = append(res.scenarios, sc)
+	}
+
+	b.say("database ceiling: the service's SQL without Kafka")
+	stop, err := b.profile("ceiling")
+	if err != nil {
+		return err
+	}
+	res.ceiling, err = b.runCeiling(ctx)
+	stop()
+	if err != nil {
+		return err
+	}
+	b.say("  %.0f/s", res.ceiling.pipeline.perSecond())
+
+	b.say("broker ceiling: sarama to kfake")
+	if stop, err = b.profile("broker"); err != nil {
+		return err
+	}
+	res.broker, err = b.runBroker(ctx)
+	stop()
+	if err != nil {
+		return err
+	}
+	b.say("  %.0f/s", res.broker.sync.perSecond())
+
+	b.say("River, one job per message")
+	if res.river, err = b.runRiver(ctx); err != nil {
+		return fmt.Errorf("River: %w", err)
+	}
+	b.say("  %.0f/s", res.river.e2e.perSecond())
+
+	res.machine = machine(pgInfo, loadStart, loadAverage())
+	res.write(out)
+	return nil
+}
+
+// machine describes where the run happened.
+func machine(pgInfo, loadStart, loadEnd string) []string {
+	model := "unknown CPU"
+	if f, err := os.Open("/proc/cpuinfo"); err == nil {
+		sc := bufio.NewScanner(f)
+		for sc.Scan() {
+			if k, v, ok := strings.Cut(sc.Text(), ":"); ok && strings.TrimSpace(k) == "model name" {
+				model = strings.TrimSpace(v)
+				break
+			}
+		}
+		f.Close()
+	}
+	mem := ""
+	if b, err := os.ReadFile("/proc/meminfo"); err == nil {
+		for line := range strings.SplitSeq(string(b), "\n") {
+			if f := strings.Fields(line); len(f) >= 2 && f[0] == "MemTotal:" {
+				if kb, err := strconv.ParseFloat(f[1], 64); err == nil {
+					mem = fmt.Sprintf(", %.1f GiB RAM", kb/(1<<20))
+				}
+			}
+		}
+	}
+	return []string{
+		fmt.Sprintf("machine:  %d cores, %s%s, %s/%s, %s", runtime.NumCPU(), model, mem, runtime.GOOS, runtime.GOARCH, runtime.Version()),
+		"load:     1-minute load average " + loadStart + " at start, " + loadEnd + " at end (other work on the machine skews every number)",
+		"database: " + pgInfo,
+		"broker:   kfake, in-process in this bench (it shares the CPUs with everything else); one broker, fresh per contender",
+	}
+}
+
+func loadAverage() string {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return "unknown"
+	}
+	return f[0]
+}
+
+// percentile returns the q-quantile (0 < q <= 1) of ds by nearest rank, 0 for
+// none.
+func percentile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := int(math.Ceil(q*float64(len(s)))) - 1
+	return s[max(0, min(i, len(s)-1))]
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// group formats n with thousands separators.
+func group(n float64) string {
+	s := strconv.FormatInt(int64(math.Round(n)), 10)
+	neg := strings.HasPrefix(s, "-")
+	s = strings.TrimPrefix(s, "-")
+	var out []byte
+	for i := range len(s) {
+		if i > 0 && (len(s)-i)%3 == 0 {
+			out = append(out, ',')
+		}
+		out = append(out, s[i])
+	}
+	if neg {
+		return "-" + string(out)
+	}
+	return string(out)
+}
+
+func ratio(a, b float64) float64 {
+	if b == 0 {
+		return 0
+	}
+	return a / b
+}
+
+// summary holds the headline numbers, in RESULT's order.
+type summary struct {
+	keys []string
+	vals map[string]float64
+}
+
+func (s *summary) set(k string, v float64) {
+	if _, ok := s.vals[k]; !ok {
+		s.keys = append(s.keys, k)
+	}
+	s.vals[k] = v
+}
+
+// requiredKeys are the RESULT keys every run reports (the test checks them).
+var requiredKeys = []string{
+	"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s", "river_msgs_per_s",
+	"p99_lateness_ms", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb",
+	"delivered", "expected", "out_of_order",
+}
+
+func (r *results) summary() *summary {
+	s := &summary{vals: map[string]float64{}}
+	own, hot, single, backlog := r.scenarios[0], r.scenarios[1], r.scenarios[2], r.scenarios[3]
+	var hwm int64
+	var delivered, expected, outOfOrder, dupes int
+	for _, sc := range r.scenarios {
+		hwm = max(hwm, sc.hwm)
+		for _, c := range sc.checks {
+			delivered += c.delivered
+			expected += c.expected
+			outOfOrder += c.outOfOrder
+			dupes += c.duplicates
+		}
+	}
+	s.set("e2e_msgs_per_s", own.e2e.perSecond())
+	s.set("dispatch_msgs_per_s", own.dispatch.perSecond())
+	s.set("ingest_msgs_per_s", own.ingest.perSecond())
+	s.set("ceiling_msgs_per_s", r.ceiling.pipeline.perSecond())
+	s.set("river_msgs_per_s", r.river.e2e.perSecond())
+	s.set("p99_lateness_ms", ms(own.late.p99))
+	s.set("hotkey_msgs_per_s", hot.e2e.perSecond())
+	s.set("backlog1m_dispatch_msgs_per_s", backlog.dispatch.perSecond())
+	s.set("rss_mb", float64(hwm)/(1<<20))
+	s.set("p50_lateness_ms", ms(own.late.p50))
+	s.set("max_lateness_ms", ms(own.late.max))
+	s.set("hotkey_dispatch_msgs_per_s", hot.dispatch.perSecond())
+	s.set("singlekey_msgs_per_s", single.e2e.perSecond())
+	s.set("singlekey_dispatch_msgs_per_s", single.dispatch.perSecond())
+	s.set("backlog1m_e2e_msgs_per_s", backlog.e2e.perSecond())
+	s.set("backlog_rows", float64(backlog.backlog))
+	s.set("ceiling_insert_msgs_per_s", r.ceiling.insert.perSecond())
+	s.set("ceiling_drain_msgs_per_s", r.ceiling.drain.perSecond())
+	s.set("broker_msgs_per_s", r.broker.sync.perSecond())
+	s.set("broker_async_msgs_per_s", r.broker.async.perSecond())
+	s.set("river_p99_lateness_ms", ms(r.river.late.p99))
+	s.set("e2e_vs_ceiling", ratio(own.e2e.perSecond(), r.ceiling.pipeline.perSecond()))
+	s.set("e2e_vs_river", ratio(own.e2e.perSecond(), r.river.e2e.perSecond()))
+	s.set("hotkey_vs_own", ratio(hot.e2e.perSecond(), own.e2e.perSecond()))
+	s.set("backlog1m_vs_empty_dispatch", ratio(backlog.dispatch.perSecond(), own.dispatch.perSecond()))
+	s.set("messages_per_phase", float64(r.cfg.N))
+	s.set("delivered", float64(delivered))
+	s.set("expected", float64(expected))
+	s.set("out_of_order", float64(outOfOrder))
+	s.set("duplicates", float64(dupes))
+	return s
+}
+
+// resultLine is the machine-readable last line.
+func (s *summary) resultLine() string {
+	var sb strings.Builder
+	sb.WriteString("RESULT")
+	for _, k := range s.keys {
+		v := s.vals[k]
+		prec := 0
+		if strings.HasSuffix(k, "_ms") || strings.HasSuffix(k, "_mb") {
+			prec = 1
+		} else if strings.Contains(k, "_vs_") {
+			prec = 3
+		}
+		sb.WriteString(" " + k + "=" + strconv.FormatFloat(v, 'f', prec, 64))
+	}
+	return sb.String()
+}
+
+func (r *results) write(w io.Writer) {
+	s := r.summary()
+	cfg := r.cfg
+	fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s: %s messages per measured phase (after %s of warm-up), %d partitions per topic\n",
+		cfg.Mode, group(float64(cfg.N)), group(float64(cfg.Warmup)), cfg.Partitions)
+	for _, m := range r.machine {
+		fmt.Fprintln(w, m)
+	}
+	fmt.Fprintln(w, "service:  ./cmd/scheduler as a subprocess on its defaults (4 dispatch loops, 500 keys x 100 msgs per claim, ingest batches of 1,000 / 20ms)")
+
+	fmt.Fprintln(w, "\nTHROUGHPUT (CPU seconds spent meanwhile: the service process, all Postgres processes, this process with kfake and the load generators)")
+	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "contender\tphase\tkeys\tfar-future rows\tmsgs\twall\tmsgs/s\tCPU svc\tCPU pg\tCPU bench\t")
+	row := func(who, phase, keys string, backlog int, rt rate) {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%.2fs\t%s\t%.1f\t%.1f\t%.1f\t\n", who, phase, keys, group(float64(backlog)),
+			group(float64(rt.n)), rt.wall.Seconds(), group(rt.perSecond()),
+			rt.cpu.service.Seconds(), rt.cpu.postgres.Seconds(), rt.cpu.bench.Seconds())
+	}
+	for _, sc := range r.scenarios {
+		row("scheduler", "ingest", sc.shape.name, sc.backlog, sc.ingest)
+		row("scheduler", "dispatch", sc.shape.name, sc.backlog, sc.dispatch)
+		row("scheduler", "end to end", sc.shape.name, sc.backlog, sc.e2e)
+	}
+	row("DB ceiling", "insert+claim+delete", "own", 0, r.ceiling.pipeline)
+	row("DB ceiling", "insert alone", "own", 0, r.ceiling.insert)
+	row("DB ceiling", "claim+delete alone", "own", 0, r.ceiling.drain)
+	row("broker", "service's producer", "own", 0, r.broker.sync)
+	row("broker", "async producer", "own", 0, r.broker.async)
+	row("River", "end to end", "own", 0, r.river.e2e)
+	row("reference", "\"1,000 msgs/s\"", "", 0, rate{n: 1000, wall: time.Second})
+	tw.Flush()
+	fmt.Fprintln(w, "ingest is timed from 10% to 100% of a backlog produced before the service starts (its CPU columns include the")
+	fmt.Fprintln(w, "service's start-up); dispatch from one SQL UPDATE making N stored rows due to the last arrival; end to end from")
+	fmt.Fprintln(w, "the first produce of N due-now records to the last arrival. Arrivals are counted from the target's high-water marks.")
+	fmt.Fprintln(w, "DB ceiling: deferral.Store.Insert (4 writers, batches of 1,000) and keylock.Locker Claim/Finalize (4 loops), no Kafka.")
+	fmt.Fprintf(w, "River: one job per message (InsertManyFast per consumed batch, %d workers, FetchCooldown %v, FetchPollInterval %v);\n",
+		riverWorkers, riverFetchCool, riverFetchPoll)
+	fmt.Fprintf(w, "its worker publishes with the service's producer settings; %s of its end-to-end messages left out of per-key order.\n",
+		group(float64(r.river.outOfOrder)))
+	for _, sc := range r.scenarios {
+		if sc.backlog > 0 {
+			fmt.Fprintf(w, "The %s far-future rows (own keys, due in 7 days) were inserted with SQL in %.1fs before the service started.\n",
+				group(float64(sc.backlog)), sc.fill.Seconds())
+		}
+	}
+
+	own := r.scenarios[0]
+	fmt.Fprintf(w, "\nLATENESS (publish time minus due time: record timestamp set by the publisher minus defer.scheduled-at;\n")
+	fmt.Fprintf(w, "%s msgs/s offered for %v, each due %v after it was produced, own keys)\n", group(float64(cfg.LateRate)), cfg.LateFor, cfg.LateLead)
+	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "contender\tmsgs\toffered/s\tp50\tp99\tmax\t")
+	for _, l := range []struct {
+		who string
+		l   *latencies
+	}{{"scheduler", own.late}, {"River", r.river.late}} {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%.1fms\t%.1fms\t%.1fms\t\n", l.who, group(float64(l.l.sent)),
+			group(float64(l.l.sent)/l.l.sendFor.Seconds()), ms(l.l.p50), ms(l.l.p99), ms(l.l.max))
+	}
+	tw.Flush()
+
+	fmt.Fprintln(w, "\nMEMORY of the scheduler process (/proc/PID/status, read at the end of each scenario)")
+	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "keys\tfar-future rows\tVmHWM (peak)\tVmRSS (end)\t")
+	for _, sc := range r.scenarios {
+		fmt.Fprintf(tw, "%s\t%s\t%.1f MB\t%.1f MB\t\n", sc.shape.name, group(float64(sc.backlog)),
+			float64(sc.hwm)/(1<<20), float64(sc.rss)/(1<<20))
+	}
+	tw.Flush()
+
+	fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
+	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
+	target := func(what, got, want string, ok bool) {
+		verdict := "met"
+		if !ok {
+			verdict = "missed"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", what, got, want, verdict)
+	}
+	v := s.vals
+	target("end to end, own keys", group(v["e2e_msgs_per_s"])+" msgs/s", ">= 20,000", v["e2e_msgs_per_s"] >= 20_000)
+	target("end to end / DB ceiling", fmt.Sprintf("%.2f", v["e2e_vs_ceiling"]), ">= 0.5", v["e2e_vs_ceiling"] >= 0.5)
+	target("end to end / River per message", fmt.Sprintf("%.1fx", v["e2e_vs_river"]), ">= 5x", v["e2e_vs_river"] >= 5)
+	target("end to end / \"1,000 msgs/s\"", fmt.Sprintf("%.1fx", v["e2e_msgs_per_s"]/1000), "> 10x", v["e2e_msgs_per_s"] > 10_000)
+	target("p99 lateness at "+group(float64(cfg.LateRate))+" msgs/s", fmt.Sprintf("%.1f ms", v["p99_lateness_ms"]), "<= 100 ms", v["p99_lateness_ms"] <= 100)
+	target("1,000 hot keys / own keys (end to end)", fmt.Sprintf("%.2f", v["hotkey_vs_own"]), ">= 0.5", v["hotkey_vs_own"] >= 0.5)
+	target("one single key, end to end", group(v["singlekey_msgs_per_s"])+" msgs/s", ">= 2,000", v["singlekey_msgs_per_s"] >= 2000)
+	target(fmt.Sprintf("dispatch with %s far-future rows / without", group(v["backlog_rows"])), fmt.Sprintf("%.2f", v["backlog1m_vs_empty_dispatch"]),
+		">= 0.9", v["backlog1m_vs_empty_dispatch"] >= 0.9)
+	target("scheduler peak RSS", fmt.Sprintf("%.1f MB", v["rss_mb"]), "<= 150 MB", v["rss_mb"] <= 150)
+	tw.Flush()
+
+	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",
+		group(v["delivered"]), group(v["expected"]), group(v["out_of_order"]), group(v["duplicates"]))
+	fmt.Fprintln(w, s.resultLine())
+}
