@@ -1,0 +1,304 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// buildScheduler builds ./cmd/scheduler into dir and returns its path.
+func buildScheduler(ctx context.Context, dir string) (string, error) {
+	bin := filepath.Join(dir, "scheduler")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/deferq/scheduler/cmd/scheduler")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("go build ./cmd/scheduler: %w\n%s", err, out)
+	}
+	return bin, nil
+}
+
+// serviceEnv is the services' configuration: a short Kafka timeout and a
+// short lease (the service requires more than 17 x KAFKA_TIMEOUT + 0.3 s;
+// 20 x is used) so that the work of a killed process is taken over within
+// seconds, as the service's own crash tests do, and a short retry ladder for
+// the re-deferrals that name no delay.
+func serviceEnv(dbURL, brokers string, kafkaTimeout time.Duration) []string {
+	return []string{
+		"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "CONSUMER_GROUP=chaos",
+		"TARGET_TOPICS=" + targetPattern, "RETRY_POLICIES=" + retryPolicies,
+		"KAFKA_TIMEOUT=" + kafkaTimeout.String(), "LEASE_DURATION=" + (20 * kafkaTimeout).String(), "POLL_INTERVAL=100ms",
+		"DISPATCH_LOOP_DURATION=2s", "INGEST_BATCH_LINGER=10ms", "SHUTDOWN_TIMEOUT=15s",
+		"LOG_LEVEL=info", "PATH=" + os.Getenv("PATH"),
+	}
+}
+
+// migrate runs `scheduler migrate` once, before the services start, so that
+// they do not race on it.
+func migrate(ctx context.Context, bin string, env []string) error {
+	cmd := exec.CommandContext(ctx, bin, "migrate")
+	cmd.Env = env
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("scheduler migrate: %w\n%s", err, out)
+	}
+	return nil
+}
+
+// restartBackoff is the pause before restarting a process that exited on
+// its own.
+const restartBackoff = time.Second
+
+// proc is one `scheduler run` process.
+type proc struct {
+	cmd  *exec.Cmd
+	http string
+	done chan struct{}
+}
+
+// fleet is the three service slots. A slot always has a process: killing
+// one starts its successor at once, as an orchestrator would.
+type fleet struct {
+	bin  string
+	env  []string
+	logs *tail
+	live io.Writer // nil, or where the logs go as they come
+
+	mu         sync.Mutex
+	procs      []*proc
+	gens       []int // per slot, bumped by each kill
+	stopping   bool
+	unexpected int // exits nobody asked for (each is restarted)
+}
+
+func newFleet(bin string, env []string, n int, live io.Writer) (*fleet, error) {
+	f := &fleet{bin: bin, env: env, logs: &tail{max: 256 << 10}, live: live, procs: make([]*proc, n), gens: make([]int, n)}
+	for i := range n {
+		p, err := f.spawn(i)
+		if err != nil {
+			f.killAll()
+			return nil, err
+		}
+		f.procs[i] = p
+	}
+	return f, nil
+}
+
+// spawn starts a process for slot i without waiting for it to be ready: a
+// process restarted during a database outage becomes ready only after it.
+func (f *fleet) spawn(i int) (*proc, error) {
+	addr, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	p := &proc{http: addr, done: make(chan struct{})}
+	p.cmd = exec.Command(f.bin, "run")
+	p.cmd.Env = append(append([]string(nil), f.env...), "HTTP_ADDR="+addr)
+	var w io.Writer = &prefixed{prefix: fmt.Sprintf("[s%d] ", i), w: f.logs}
+	if f.live != nil {
+		w = io.MultiWriter(w, &prefixed{prefix: fmt.Sprintf("[s%d] ", i), w: f.live})
+	}
+	p.cmd.Stdout, p.cmd.Stderr = w, w
+	if err := p.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s run: %w", f.bin, err)
+	}
+	go func() {
+		_ = p.cmd.Wait() // the exit status is read from ProcessState
+		close(p.done)
+		f.exited(i, p)
+	}()
+	return p, nil
+}
+
+// exited restarts slot i when its process p died on its own.
+func (f *fleet) exited(i int, p *proc) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.stopping || f.procs[i] != p {
+		return // stopped or killed on purpose
+	}
+	f.unexpected++
+	fmt.Fprintf(f.logs, "[chaos] scheduler s%d (pid %d) exited on its own: %v; restarting it in %s\n", i, p.cmd.Process.Pid, p.cmd.ProcessState, restartBackoff)
+	f.procs[i] = nil
+	gen := f.gens[i]
+	f.mu.Unlock()
+	// As an orchestrator would: a process that fails at start-up (say,
+	// during the database restart) is not restarted in a tight loop.
+	time.Sleep(restartBackoff)
+	f.mu.Lock()
+	if f.stopping || f.gens[i] != gen {
+		return // stopped, or killed and restarted by the driver meanwhile
+	}
+	np, err := f.spawn(i)
+	if err != nil {
+		fmt.Fprintf(f.logs, "[chaos] restart s%d: %v\n", i, err)
+		return
+	}
+	f.procs[i] = np
+}
+
+// kill SIGKILLs slot i's process and starts its successor.
+func (f *fleet) kill(i int) error {
+	f.mu.Lock()
+	old := f.procs[i]
+	f.procs[i] = nil // so that exited does not count or restart it
+	f.gens[i]++      // nor restart it after its back-off
+	f.mu.Unlock()
+	if old != nil {
+		_ = old.cmd.Process.Signal(syscall.SIGKILL) // it may have just exited
+		<-old.done
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	p, err := f.spawn(i)
+	if err != nil {
+		return err
+	}
+	f.procs[i] = p
+	return nil
+}
+
+// waitReady waits until every slot's current process answers /readyz 200.
+func (f *fleet) waitReady(ctx context.Context, timeout time.Duration) error {
+	client := &http.Client{Timeout: 2 * time.Second}
+	deadline := time.Now().Add(timeout)
+	for {
+		f.mu.Lock()
+		procs := append([]*proc(nil), f.procs...)
+		f.mu.Unlock()
+		var notReady []string
+		for i, p := range procs {
+			if p == nil {
+				notReady = append(notReady, fmt.Sprintf("s%d: restarting", i))
+				continue
+			}
+			resp, err := client.Get("http://" + p.http + "/readyz")
+			if err != nil {
+				notReady = append(notReady, fmt.Sprintf("s%d: %v", i, err))
+				continue
+			}
+			body, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				notReady = append(notReady, fmt.Sprintf("s%d: %s %s", i, resp.Status, bytes.TrimSpace(body)))
+			}
+		}
+		if len(notReady) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("schedulers not ready within %s: %v; their last output:\n%s", timeout, notReady, f.logs)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// stop sends SIGTERM to every process and requires each to exit 0 within a
+// minute; it returns how many did.
+func (f *fleet) stop() (clean int, err error) {
+	f.mu.Lock()
+	f.stopping = true
+	procs := append([]*proc(nil), f.procs...)
+	f.mu.Unlock()
+	var errs []error
+	for i, p := range procs {
+		if p == nil {
+			continue
+		}
+		_ = p.cmd.Process.Signal(syscall.SIGTERM) // it may have exited already
+		select {
+		case <-p.done:
+		case <-time.After(time.Minute):
+			_ = p.cmd.Process.Kill()
+			<-p.done
+			errs = append(errs, fmt.Errorf("scheduler s%d did not stop within a minute of SIGTERM", i))
+			continue
+		}
+		if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+			errs = append(errs, fmt.Errorf("scheduler s%d exited with code %d after SIGTERM", i, code))
+			continue
+		}
+		clean++
+	}
+	return clean, errors.Join(errs...)
+}
+
+// killAll ends every process at once (errors and cancellation only).
+func (f *fleet) killAll() {
+	f.mu.Lock()
+	f.stopping = true
+	procs := append([]*proc(nil), f.procs...)
+	f.mu.Unlock()
+	for _, p := range procs {
+		if p != nil {
+			_ = p.cmd.Process.Kill() // it may have exited already
+			<-p.done
+		}
+	}
+}
+
+func (f *fleet) unexpectedExits() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.unexpected
+}
+
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", fmt.Errorf("find a free port for a service's HTTP_ADDR: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
+}
+
+// prefixed writes each write to w with prefix in front; the services write
+// whole lines, so that is enough to tell them apart.
+type prefixed struct {
+	prefix string
+	w      io.Writer
+}
+
+func (p *prefixed) Write(b []byte) (int, error) {
+	if _, err := p.w.Write(append([]byte(p.prefix), b...)); err != nil {
+		return 0, err
+	}
+	return len(b), nil
+}
+
+// tail keeps the last max bytes written to it: enough of the services' logs
+// to explain a failure without holding a long run's logs in memory.
+type tail struct {
+	mu  sync.Mutex
+	max int
+	buf []byte
+}
+
+func (t *tail) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.buf = append(t.buf, p...)
+	if over := len(t.buf) - t.max; over > 0 {
+		t.buf = append(t.buf[:0], t.buf[over:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tail) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.buf)
+}
