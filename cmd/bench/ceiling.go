@@ -10,6 +10,8 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/deferq/scheduler/internal/batchproducer"
+
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/keylock"
@@ -184,9 +186,10 @@ type brokerResult struct {
 
 // runBroker measures the broker's ceiling with the records the service
 // publishes (the end-to-end phase's messages, as dispatch.Record builds
-// them): first as the service publishes (dispatch.ProducerConfig: idempotent,
-// acks=all, one request in flight; one SyncProducer shared by the service's
-// number of loops, each sending a claim's worth per SendMessages), then with
+// them): first as the service publishes (batchproducer with
+// dispatch.ProducerConfig: acks=all, whole record batches per partition; one
+// producer shared by the service's number of loops, each sending a claim's
+// worth per SendMessages), then with
 // an AsyncProducer on sarama's defaults plus acks=all, as fast as it goes.
 func (b *bench) runBroker(ctx context.Context) (res brokerResult, err error) {
 	kc, addr, err := startKafka(b.cfg.Partitions, topicBroker)
@@ -210,7 +213,7 @@ func (b *bench) runBroker(ctx context.Context) (res brokerResult, err error) {
 		return out
 	}
 
-	sp, err := sarama.NewSyncProducer([]string{addr}, dispatch.ProducerConfig(kafkaConfig()))
+	sp, err := batchproducer.New([]string{addr}, dispatch.ProducerConfig(kafkaConfig()))
 	if err != nil {
 		return res, fmt.Errorf("broker ceiling: %w", err)
 	}

@@ -34,6 +34,7 @@ type config struct {
 	ConsumerGroup string        `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
 	TargetTopics  string        `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
 	HTTPAddr      string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz and /metrics"`
+	PprofAddr     string        `env:"PPROF_ADDR" form:"host:port, or empty" help:"serve net/http/pprof's /debug/pprof/ here, for profiling (bind it to localhost); empty: off"`
 	MaxDelay      time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
 
 	RetryPolicies      string        `env:"RETRY_POLICIES" form:"pattern: policy entries separated by ';', durations at most MAX_DELAY, e.g. payments.*: ladder 30s,5m,30m dlq {target}.dlq; *: exponential 1s x2 cap 1h max 10 (see docs/policies.md)" help:"retry policy per target topic: the delay of records without defer.at or defer.delay, how many retries, whether a parked message holds its key, dead-letter topic; unmatched targets get exponential 30s x2 cap 1h jitter 20% max 10"`
@@ -245,6 +246,11 @@ func (c *config) validate() error {
 	}
 	if _, _, err := net.SplitHostPort(c.HTTPAddr); err != nil {
 		errs = append(errs, c.bad("HTTP_ADDR", c.HTTPAddr, "host:port, e.g. :8080", err))
+	}
+	if c.PprofAddr != "" {
+		if _, _, err := net.SplitHostPort(c.PprofAddr); err != nil {
+			errs = append(errs, c.bad("PPROF_ADDR", c.PprofAddr, "host:port, e.g. 127.0.0.1:6060, or empty", err))
+		}
 	}
 	switch c.LogLevel {
 	case "debug", "info", "warn", "error":

@@ -3,7 +3,9 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -17,6 +19,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/internal/pgtest"
 )
 
 // /readyz fails naming postgres while the database server is down, and
@@ -155,4 +158,34 @@ func waitReadyz(t *testing.T, p *proc, code int, want string) {
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Fatalf("/readyz = %d %s, want %d naming %q", got, body, code, want)
+}
+
+// PPROF_ADDR serves the runtime profiles on a listener of its own; the
+// metrics address does not serve them.
+func TestPprofAddr(t *testing.T) {
+	kc, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, deferTopic, targetTopic))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(kc.Close)
+	db := pgtest.NewDB(t)
+	addr := freeAddr(t)
+	p := start(t, append(serviceEnv(db.URL, kc.ListenAddrs()[0], "e2e-pprof"), "PPROF_ADDR="+addr))
+
+	resp, err := http.Get("http://" + addr + "/debug/pprof/heap?debug=1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "heap profile") {
+		t.Fatalf("PPROF_ADDR heap profile: %d %.200s", resp.StatusCode, body)
+	}
+	if code, _ := p.get("/debug/pprof/heap"); code != http.StatusNotFound {
+		t.Errorf("HTTP_ADDR serves /debug/pprof/heap: %d, want 404", code)
+	}
+	if !strings.Contains(p.logs(), "serving pprof") {
+		t.Error("the log does not say pprof is served")
+	}
+	p.stop()
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"strings"
 	"sync"
@@ -20,6 +21,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/deferq/scheduler/internal/batchproducer"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/metrics"
@@ -32,13 +34,15 @@ type service struct {
 	cfg      config
 	logger   *slog.Logger
 	pool     *pgxpool.Pool
-	producer sarama.SyncProducer
+	producer *batchproducer.Producer
 	group    sarama.ConsumerGroup
 	ingester *deferral.Ingester
 	runtime  *dispatch.Runtime
 	waker    *dispatch.Waker
 	http     *http.Server
 	listener net.Listener
+	// pprof serves net/http/pprof on PPROF_ADDR; nil when it is unset.
+	pprof    *http.Server
 	registry *prometheus.Registry
 	metrics  *metrics.Metrics
 	brokers  *brokerCheck
@@ -97,6 +101,17 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	s.http = &http.Server{Handler: s.routes(), ReadHeaderTimeout: 5 * time.Second}
 	s.httpErr = make(chan error, 1)
 	go func() { s.httpErr <- s.http.Serve(s.listener) }()
+	if cfg.PprofAddr != "" {
+		// Its own listener, so that profiles are never reachable where
+		// metrics are scraped.
+		l, err := net.Listen("tcp", cfg.PprofAddr)
+		if err != nil {
+			return nil, fmt.Errorf("PPROF_ADDR=%s: %w", cfg.PprofAddr, err)
+		}
+		s.pprof = &http.Server{Handler: pprofRoutes(), ReadHeaderTimeout: 5 * time.Second}
+		go s.pprof.Serve(l) // ends with Close in close()
+		logger.Info("serving pprof", "addr", l.Addr().String())
+	}
 	if err := s.connectKafka(ctx, brokers); err != nil {
 		return nil, err
 	}
@@ -183,7 +198,7 @@ func (s *service) connectKafka(ctx context.Context, brokers []string) error {
 			return err
 		}
 		pc.Producer.MaxMessageBytes = s.cfg.KafkaMaxMessageBytes
-		s.producer, err = sarama.NewSyncProducer(brokers, dispatch.ProducerConfig(pc))
+		s.producer, err = batchproducer.New(brokers, dispatch.ProducerConfig(pc))
 		if err == nil {
 			s.group, err = sarama.NewConsumerGroup(brokers, s.cfg.ConsumerGroup, deferral.ConsumerConfig(cc))
 			if err != nil {
@@ -265,6 +280,9 @@ func (s *service) run(ctx context.Context) error {
 }
 
 func (s *service) close() {
+	if s.pprof != nil {
+		s.pprof.Close()
+	}
 	if s.http != nil {
 		// After run's Shutdown this does nothing; after a failed start it
 		// stops the server that newService started.
@@ -293,6 +311,18 @@ func (s *service) routes() http.Handler {
 	})
 	mux.HandleFunc("GET /readyz", s.readyz)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
+	return mux
+}
+
+// pprofRoutes serves the runtime profiles of net/http/pprof under
+// /debug/pprof/.
+func pprofRoutes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
 	return mux
 }
 

@@ -8,10 +8,13 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/IBM/sarama"
+
+	"github.com/deferq/scheduler/internal/batchproducer"
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -646,4 +649,64 @@ func TestPausedTargetWaitsOthersFlow(t *testing.T) {
 	if d.rounds > 40 {
 		t.Fatalf("%d rounds in ~2s; the loop spins on a paused target", d.rounds)
 	}
+}
+
+// A key's run that spans several produce requests, one of which fails until
+// its retries run out: nothing of the key after it goes out before it, so
+// first deliveries keep the key's order (chaos finding 3, where sarama's
+// producer gave up on message n and then delivered n+1).
+func TestFailedBatchMidRunKeepsKeyOrder(t *testing.T) {
+	e := newEnv(t)
+	col := e.collect(topicA)
+	c := sarama.NewConfig()
+	c.Version = sarama.V3_6_0_0
+	c = ProducerConfig(c)
+	c.Producer.MaxMessageBytes = 700 // a few messages per record batch
+	c.Producer.Retry.Backoff = 10 * time.Millisecond
+	p, err := batchproducer.New([]string{e.addr}, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+
+	// Requests 2 to 4 fail: the second batch of the first round uses up its
+	// three tries; a producer that went on would deliver the third.
+	var requests atomic.Int64
+	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicA, Err: kerr.NotLeaderForPartition, Count: -1,
+		When: func(kmsg.Request) bool { n := requests.Add(1); return n >= 2 && n <= 4 }})
+	defer fault.Remove()
+
+	const n = 60
+	var rows []msg
+	for i := range n {
+		rows = append(rows, msg{key: str("order-1"), target: topicA, recKey: []byte("order-1"), value: []byte(strconv.Itoa(i))})
+	}
+	e.insert(rows...)
+	l, err := keylock.New(e.pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 100})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(l, p, nil, Config{BatchKeys: 100, PollInterval: 50 * time.Millisecond,
+		MaxBackoff: 200 * time.Millisecond, Targets: allowAll, MaxMessageBytes: 700}, testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.drain(d, 20*time.Second)
+	got := col.wait(t, n, 5*time.Second)
+	if requests.Load() < 5 {
+		t.Fatalf("%d produce requests; the fault did not play out", requests.Load())
+	}
+	next := 0
+	for _, m := range got {
+		v, _ := strconv.Atoi(string(m.Value))
+		switch {
+		case v == next:
+			next++
+		case v > next:
+			t.Fatalf("message %d delivered before message %d", v, next)
+		}
+		// v < next: a copy of a delivered message, allowed.
+	}
+	mustEqual(t, "messages delivered", next, n)
+	mustEqual(t, "rows left", e.count("true"), 0)
 }

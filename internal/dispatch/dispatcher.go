@@ -318,10 +318,10 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 			err, ok := failed[b.first+j]
 			if !ok {
 				if blocked || refused {
-					// An earlier message of this key failed and this one went out:
-					// it cannot be taken back, so keep it published and say so.
-					// (The broker refused part of one partition's batch; if the
-					// refused message holds its key, this one overtook it.)
+					// An earlier message of this key failed and this one went out.
+					// The Producer contract rules this out; should one break it,
+					// the message cannot be taken back: keep it published and
+					// say so.
 					d.logger.Warn("message published after an earlier one of its key failed",
 						"id", m.ID, "target", m.Target)
 				}
@@ -451,8 +451,9 @@ func (d *Dispatcher) refuse(target string) string {
 }
 
 // run returns the leading messages of a claim that go to the same topic with
-// the same record key, hence to the same partition, where the idempotent
-// producer keeps their order even across retries. Messages after a change of
+// the same record key, hence to the same partition, where the producer keeps
+// their order: it never acknowledges one after an earlier one failed (see
+// Producer). Messages after a change of
 // destination wait for the next round, after these are acknowledged.
 func run(msgs []keylock.Message) []keylock.Message {
 	if len(msgs) > 0 && msgs[0].Key == nil {

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+
+	"github.com/deferq/scheduler/internal/batchproducer"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 
@@ -27,7 +29,7 @@ type env struct {
 	pool     *pgxpool.Pool
 	broker   *kfake.Cluster
 	addr     string
-	producer sarama.SyncProducer
+	producer *batchproducer.Producer
 }
 
 const (
@@ -48,11 +50,12 @@ func newEnv(t *testing.T, opts ...kfake.Opt) *env {
 	return e
 }
 
-func (e *env) newProducer() sarama.SyncProducer {
+// newProducer returns the producer the service dispatches with.
+func (e *env) newProducer() *batchproducer.Producer {
 	e.t.Helper()
 	c := sarama.NewConfig()
 	c.Version = sarama.V3_6_0_0
-	p, err := sarama.NewSyncProducer([]string{e.addr}, ProducerConfig(c))
+	p, err := batchproducer.New([]string{e.addr}, ProducerConfig(c))
 	if err != nil {
 		e.t.Fatal(err)
 	}

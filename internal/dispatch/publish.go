@@ -10,22 +10,28 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/deferq/scheduler/internal/batchproducer"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/keylock"
 )
 
-// Producer is the part of sarama.SyncProducer dispatch uses.
+// Producer is what dispatch publishes with: a batchproducer.Producer in the
+// service, whose failures are monotonic per partition (a message is never
+// acknowledged after an earlier one of its partition failed in the same
+// call), which the per-key order of a multi-message run relies on. It
+// returns nil or sarama.ProducerErrors.
 type Producer interface {
 	SendMessages(msgs []*sarama.ProducerMessage) error
 }
 
-// ProducerConfig sets on base, and returns it, the producer settings: idempotent, acks=all, one
-// request in flight (so retries cannot reorder a partition), the
-// Java-compatible murmur2 partitioner (a key lands on the partition the Java
-// client would pick), no topic auto-creation (an unknown target must fail,
-// not create a topic), and few retries so that a publish ends well inside a
-// lease. The network timeouts come from base (KAFKA_TIMEOUT); callers set
-// brokers, TLS and SASL there too.
+// ProducerConfig sets on base, and returns it, the producer settings:
+// acks=all, few retries so that a publish ends well inside a lease, no topic
+// auto-creation (an unknown target must fail, not create a topic), and, for
+// a sarama producer built from it (the benchmarks' reference, the tests'
+// clients), idempotence, one request in flight and the Java-compatible
+// murmur2 partitioner, which batchproducer uses too (a key lands on the
+// partition the Java client would pick). The network timeouts come from base
+// (KAFKA_TIMEOUT); callers set brokers, TLS and SASL there too.
 func ProducerConfig(base *sarama.Config) *sarama.Config {
 	c := base
 	c.Producer.Idempotent = true
@@ -48,17 +54,13 @@ func ProducerConfig(base *sarama.Config) *sarama.Config {
 	return c
 }
 
-// MaxPublishDuration bounds how long one SendMessages call can take with
-// config c (from ProducerConfig): every produce attempt can wait for a dial, a
-// write and a read, plus the back-off before the next; and the producer
-// refreshes metadata before the first attempt and after each failed one, each
-// refresh bounded by Metadata.Timeout. A lease must be longer, or a slow
-// publish could overlap a second holder's. With every network timeout T, this
-// is 17T + 0.3s.
+// MaxPublishDuration bounds how long one SendMessages call of the service's
+// producer can take with config c (from ProducerConfig): see
+// batchproducer.MaxDuration. With every network timeout T, this is 20T +
+// 0.3s. A lease must be longer, or a slow publish could overlap a second
+// holder's.
 func MaxPublishDuration(c *sarama.Config) time.Duration {
-	step := c.Net.DialTimeout + c.Net.WriteTimeout + c.Net.ReadTimeout
-	tries := time.Duration(c.Producer.Retry.Max + 1)
-	return tries*(step+c.Producer.Retry.Backoff) + (tries+1)*c.Metadata.Timeout
+	return batchproducer.MaxDuration(c)
 }
 
 // Headers the scheduler writes on dead-letter copies only (see DeadLetter),

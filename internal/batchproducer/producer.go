@@ -1,0 +1,464 @@
+// Package batchproducer publishes messages to Kafka so that, within one call,
+// a message is never acknowledged after an earlier message of its partition
+// failed.
+//
+// sarama's producers do not promise that. They count retries per message, so
+// when a request has failed Producer.Retry.Max times its messages are given
+// up on while later messages of the same partition, which have been retried
+// fewer times, are sent with a fresh idempotent epoch and succeed: message
+// n+1 of a key is out while n is not, and n goes out later. A deferral
+// scheduler promises per-key order, so it needs a producer whose failures are
+// monotonic per partition. This one sends each partition's messages as whole
+// record batches, one batch per partition per request, and a partition's next
+// batch only after the previous one was acknowledged. A batch the broker
+// refuses, or that fails Producer.Retry.Max+1 times, fails together with
+// every later message of its partition (ErrNotSent); the other partitions go
+// on.
+//
+// Retries are not idempotent: a batch whose request timed out after the
+// broker wrote it is written again. The copy comes right after the original,
+// before anything later of the partition, so the order of first deliveries
+// holds, and a consumer recognises the copy by its headers (defer.id).
+package batchproducer
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/IBM/sarama"
+)
+
+// ErrNotSent is the error of a message that was not sent because an earlier
+// message of its partition failed in the same call. It is retriable: the
+// message itself was never refused.
+var ErrNotSent = errors.New("not sent: an earlier message of its partition failed")
+
+// ErrOutOfTime is the error of a message that was not sent because the call
+// had used its time (see MaxDuration). It is retriable.
+var ErrOutOfTime = errors.New("not sent: the publish ran out of time")
+
+// batchOverhead is the size of a record batch's header (v2), which
+// ProducerMessage.ByteSize does not count.
+const batchOverhead = 61
+
+// maxRequestBytes caps the record bytes of one produce request; partitions
+// beyond it wait for the next request. Brokers refuse requests above
+// socket.request.max.bytes (100 MiB by default).
+const maxRequestBytes = 16 << 20
+
+// Producer publishes messages with the guarantee of the package comment. It
+// is safe for concurrent use; concurrent calls do not order each other.
+type Producer struct {
+	client  sarama.Client
+	conf    *sarama.Config
+	version int16
+	limit   time.Duration // MaxDuration(conf)
+}
+
+// New connects to brokers with conf and returns a Producer. It uses from conf
+// the producer's acks, timeout, compression, retries and back-off, and
+// MaxMessageBytes as the largest record batch it builds; the Kafka version
+// must be at least 0.11 (record batches).
+func New(brokers []string, conf *sarama.Config) (*Producer, error) {
+	if !conf.Version.IsAtLeast(sarama.V0_11_0_0) {
+		return nil, fmt.Errorf("batch producer: Kafka version %s is older than 0.11, which has no record batches", conf.Version)
+	}
+	client, err := sarama.NewClient(brokers, conf)
+	if err != nil {
+		return nil, err
+	}
+	return &Producer{client: client, conf: conf, version: requestVersion(conf.Version), limit: MaxDuration(conf)}, nil
+}
+
+// Close closes the connections. Calls in progress fail.
+func (p *Producer) Close() error { return p.client.Close() }
+
+// requestVersion is the produce request version sarama's own producer uses
+// for v.
+func requestVersion(v sarama.KafkaVersion) int16 {
+	switch {
+	case v.IsAtLeast(sarama.V3_7_0_0):
+		return 10
+	case v.IsAtLeast(sarama.V2_8_0_0):
+		return 9
+	case v.IsAtLeast(sarama.V2_4_0_0):
+		return 8
+	case v.IsAtLeast(sarama.V2_1_0_0):
+		return 7
+	case v.IsAtLeast(sarama.V2_0_0_0):
+		return 6
+	case v.IsAtLeast(sarama.V1_0_0_0):
+		return 5
+	}
+	return 3
+}
+
+// step is the longest one request can take: a dial, a write and a read.
+func step(c *sarama.Config) time.Duration {
+	return c.Net.DialTimeout + c.Net.WriteTimeout + c.Net.ReadTimeout
+}
+
+// MaxDuration bounds how long one SendMessages call can take with config c:
+// the time Producer.Retry.Max+1 attempts of one batch take, each a request
+// (a dial, a write and a read) and a back-off, with a metadata refresh
+// (bounded by Metadata.Timeout) before the first and after each. It is the
+// bound sarama's own producer has with the same settings. A call does not
+// begin a request or a refresh it could not finish within it, and fails
+// what is left with ErrOutOfTime; so when a partition's messages need
+// several batches in a row, the later ones may be left for the next call. A
+// lease must be longer, or a slow publish could overlap a second holder's.
+func MaxDuration(c *sarama.Config) time.Duration {
+	tries := time.Duration(c.Producer.Retry.Max + 1)
+	return tries*(step(c)+c.Producer.Retry.Backoff) + (tries+1)*c.Metadata.Timeout
+}
+
+// partition is one partition's messages in a call, in order.
+type partition struct {
+	topic string
+	id    int32
+	msgs  []*sarama.ProducerMessage
+	recs  []*sarama.Record // msgs encoded
+	sizes []int            // ByteSize of each message
+	next  int              // msgs[:next] are done
+
+	// The batch being sent: msgs[next:next+n].
+	n     int
+	batch *sarama.RecordBatch
+	tries int
+	err   error // the batch's last error
+}
+
+// SendMessages publishes msgs and returns nil, or sarama.ProducerErrors
+// naming each message that was not acknowledged and why. A message whose
+// partition cannot be resolved fails with the metadata error (for example
+// sarama.ErrUnknownTopicOrPartition). Messages keep their order within a
+// partition; messages without a key all go to one partition of their topic
+// per call, chosen at random, so that their order holds too. On success a
+// message's Partition and Offset are set.
+func (p *Producer) SendMessages(msgs []*sarama.ProducerMessage) error {
+	end := time.Now().Add(p.limit)
+	// A round may look up a leader (a metadata refresh) and send a request.
+	round := step(p.conf) + p.conf.Metadata.Timeout
+	var errs sarama.ProducerErrors
+	parts := p.partition(msgs, &errs)
+	for {
+		var active []*partition
+		for _, pt := range parts {
+			if pt.next < len(pt.msgs) {
+				active = append(active, pt)
+			}
+		}
+		if len(active) == 0 {
+			break
+		}
+		if time.Now().Add(round).After(end) {
+			for _, pt := range active {
+				err := error(ErrOutOfTime)
+				if pt.err != nil {
+					// Not %w: the message was not refused, whatever the
+					// last attempt said; it stays retriable.
+					err = fmt.Errorf("%w (last attempt: %v)", ErrOutOfTime, pt.err)
+				}
+				pt.n = 0
+				errs = pt.failRest(errs, err)
+			}
+			break
+		}
+		retry := p.round(active, &errs)
+		pause := p.conf.Metadata.Timeout + p.conf.Producer.Retry.Backoff
+		if len(retry) > 0 && !time.Now().Add(pause+round).After(end) {
+			// What failed may have moved: look again before the next
+			// attempt, after the back-off (which the refresh counts in).
+			started := time.Now()
+			var topics []string
+			for _, pt := range retry {
+				if !slices.Contains(topics, pt.topic) {
+					topics = append(topics, pt.topic)
+				}
+			}
+			_ = p.client.RefreshMetadata(topics...) // a failure shows in the next attempt
+			if wait := p.conf.Producer.Retry.Backoff - time.Since(started); wait > 0 {
+				time.Sleep(wait)
+			}
+		}
+	}
+	if len(errs) > 0 {
+		return errs
+	}
+	return nil
+}
+
+// partition assigns every message its partition, encodes it and groups the
+// messages by partition, in order of first appearance. Messages that cannot
+// be sent go to errs, with the rest of their partition after them.
+func (p *Producer) partition(msgs []*sarama.ProducerMessage, errs *sarama.ProducerErrors) []*partition {
+	type topicInfo struct {
+		n      int32
+		sticky int32
+		hash   sarama.Partitioner
+		err    error
+		parts  map[int32]*partition
+	}
+	topics := map[string]*topicInfo{}
+	var order []*partition
+	for _, m := range msgs {
+		ti := topics[m.Topic]
+		if ti == nil {
+			ti = &topicInfo{parts: map[int32]*partition{}}
+			ids, err := p.client.Partitions(m.Topic)
+			switch {
+			case err != nil:
+				ti.err = err
+			case len(ids) == 0:
+				ti.err = sarama.ErrLeaderNotAvailable
+			default:
+				ti.n = int32(len(ids))
+				ti.sticky = rand.Int32N(ti.n)
+				ti.hash = sarama.NewMurmur2Partitioner(m.Topic)
+			}
+			topics[m.Topic] = ti
+		}
+		if ti.err != nil {
+			*errs = append(*errs, &sarama.ProducerError{Msg: m, Err: ti.err})
+			continue
+		}
+		id := ti.sticky
+		if m.Key != nil {
+			var err error
+			if id, err = ti.hash.Partition(m, ti.n); err != nil {
+				*errs = append(*errs, &sarama.ProducerError{Msg: m, Err: err})
+				continue
+			}
+		}
+		m.Partition = id
+		pt := ti.parts[id]
+		if pt == nil {
+			pt = &partition{topic: m.Topic, id: id}
+			ti.parts[id] = pt
+			order = append(order, pt)
+		}
+		if pt.err != nil {
+			// An earlier message of the partition cannot be sent.
+			*errs = append(*errs, &sarama.ProducerError{Msg: m, Err: ErrNotSent})
+			continue
+		}
+		r, size, err := p.encode(m)
+		if err != nil {
+			pt.err = err
+			*errs = append(*errs, &sarama.ProducerError{Msg: m, Err: err})
+			continue
+		}
+		pt.msgs = append(pt.msgs, m)
+		pt.recs = append(pt.recs, r)
+		pt.sizes = append(pt.sizes, size)
+	}
+	for _, pt := range order {
+		pt.err = nil
+	}
+	return order
+}
+
+// encode makes m's record and returns its size, or the reason m cannot be
+// sent: a key or value that does not encode, or a record too large for a
+// batch (the error sarama's producer gives).
+func (p *Producer) encode(m *sarama.ProducerMessage) (*sarama.Record, int, error) {
+	r := &sarama.Record{}
+	var err error
+	if m.Key != nil {
+		if r.Key, err = m.Key.Encode(); err != nil {
+			return nil, 0, fmt.Errorf("encode key: %w", err)
+		}
+	}
+	if m.Value != nil {
+		if r.Value, err = m.Value.Encode(); err != nil {
+			return nil, 0, fmt.Errorf("encode value: %w", err)
+		}
+	}
+	for i := range m.Headers {
+		r.Headers = append(r.Headers, &m.Headers[i])
+	}
+	size := m.ByteSize(2)
+	if size+batchOverhead > p.conf.Producer.MaxMessageBytes {
+		return nil, 0, sarama.ConfigurationError(fmt.Sprintf(
+			"Attempt to produce message larger than configured Producer.MaxMessageBytes: %d > %d",
+			size, p.conf.Producer.MaxMessageBytes))
+	}
+	return r, size, nil
+}
+
+// failRest fails the partition's messages from next on: the batch being sent
+// (msgs[next:next+n]) with err, the rest with ErrNotSent.
+func (pt *partition) failRest(errs sarama.ProducerErrors, err error) sarama.ProducerErrors {
+	for i, m := range pt.msgs[pt.next:] {
+		e := err
+		if pt.n > 0 && i >= pt.n {
+			e = ErrNotSent
+		}
+		errs = append(errs, &sarama.ProducerError{Msg: m, Err: e})
+	}
+	pt.next, pt.n, pt.batch = len(pt.msgs), 0, nil
+	return errs
+}
+
+// build makes the partition's next batch, if it has none: as many messages
+// as fit in Producer.MaxMessageBytes, at least one.
+func (p *Producer) build(pt *partition) {
+	if pt.batch != nil {
+		return
+	}
+	now := time.Now().Truncate(time.Millisecond)
+	b := &sarama.RecordBatch{
+		Version:          2,
+		Codec:            p.conf.Producer.Compression,
+		CompressionLevel: p.conf.Producer.CompressionLevel,
+		FirstTimestamp:   now,
+		MaxTimestamp:     now,
+		ProducerID:       -1,
+		ProducerEpoch:    -1,
+		FirstSequence:    -1,
+	}
+	size := batchOverhead
+	n := 0
+	for i := pt.next; i < len(pt.msgs); i++ {
+		if n > 0 && size+pt.sizes[i] > p.conf.Producer.MaxMessageBytes {
+			break
+		}
+		r := pt.recs[i]
+		r.OffsetDelta = int64(n)
+		r.TimestampDelta = 0
+		if ts := pt.msgs[i].Timestamp; !ts.IsZero() {
+			r.TimestampDelta = ts.Truncate(time.Millisecond).Sub(now)
+		}
+		b.Records = append(b.Records, r)
+		size += pt.sizes[i]
+		n++
+	}
+	b.LastOffsetDelta = int32(n - 1)
+	pt.batch, pt.n, pt.tries, pt.err = b, n, 0, nil
+}
+
+// round sends the next batch of every active partition, one request per
+// leader (within maxRequestBytes; partitions beyond wait for the next
+// round), and settles the answers. It returns the partitions to retry.
+func (p *Producer) round(active []*partition, errs *sarama.ProducerErrors) []*partition {
+	type request struct {
+		broker *sarama.Broker
+		req    *sarama.ProduceRequest
+		parts  []*partition
+		bytes  int
+		resp   *sarama.ProduceResponse
+		err    error
+	}
+	var retry []*partition
+	var reqs []*request
+	byBroker := map[*sarama.Broker]*request{}
+	for _, pt := range active {
+		p.build(pt)
+		broker, err := p.client.Leader(pt.topic, pt.id)
+		if err != nil {
+			p.failed(pt, err, errs, &retry)
+			continue
+		}
+		bytes := 0
+		for _, s := range pt.sizes[pt.next : pt.next+pt.n] {
+			bytes += s
+		}
+		r := byBroker[broker]
+		if r != nil && r.bytes+bytes > maxRequestBytes {
+			continue
+		}
+		if r == nil {
+			r = &request{broker: broker, req: &sarama.ProduceRequest{
+				Version:      p.version,
+				RequiredAcks: p.conf.Producer.RequiredAcks,
+				Timeout:      int32(p.conf.Producer.Timeout / time.Millisecond),
+			}}
+			byBroker[broker] = r
+			reqs = append(reqs, r)
+		}
+		r.req.AddBatch(pt.topic, pt.id, pt.batch)
+		r.parts = append(r.parts, pt)
+		r.bytes += bytes
+	}
+
+	var wg sync.WaitGroup
+	for _, r := range reqs {
+		wg.Go(func() {
+			r.resp, r.err = r.broker.Produce(r.req)
+			if r.err != nil {
+				// The connection may be broken; Leader opens it again.
+				_ = r.broker.Close()
+			}
+		})
+	}
+	wg.Wait()
+
+	for _, r := range reqs {
+		for _, pt := range r.parts {
+			if r.err != nil {
+				p.failed(pt, r.err, errs, &retry)
+				continue
+			}
+			if r.resp == nil { // acks=0: nothing to wait for
+				pt.done(-1)
+				continue
+			}
+			switch block := r.resp.GetBlock(pt.topic, pt.id); {
+			case block == nil:
+				p.failed(pt, sarama.ErrIncompleteResponse, errs, &retry)
+			case block.Err == sarama.ErrNoError:
+				pt.done(block.Offset)
+			default:
+				p.failed(pt, block.Err, errs, &retry)
+			}
+		}
+	}
+	return retry
+}
+
+// done records the partition's batch as acknowledged at offset (-1:
+// unknown).
+func (pt *partition) done(offset int64) {
+	if offset >= 0 {
+		for i, m := range pt.msgs[pt.next : pt.next+pt.n] {
+			m.Offset = offset + int64(i)
+		}
+	}
+	pt.next += pt.n
+	pt.n, pt.batch, pt.tries, pt.err = 0, nil, 0, nil
+}
+
+// failed settles a failed attempt of the partition's batch: it is retried
+// while the error is retriable and tries remain; otherwise the batch fails
+// with err and the rest of the partition with ErrNotSent.
+func (p *Producer) failed(pt *partition, err error, errs *sarama.ProducerErrors, retry *[]*partition) {
+	pt.tries++
+	pt.err = err
+	if retriable(err) && pt.tries <= p.conf.Producer.Retry.Max {
+		*retry = append(*retry, pt)
+		return
+	}
+	*errs = pt.failRest(*errs, err)
+}
+
+// retriable reports whether err may go away by itself: the broker errors
+// sarama's producer retries, and errors that are not a broker's answer (a
+// broken connection, a timeout), except the client being closed.
+func retriable(err error) bool {
+	var kerr sarama.KError
+	if !errors.As(err, &kerr) {
+		return !errors.Is(err, sarama.ErrClosedClient)
+	}
+	switch kerr {
+	case sarama.ErrInvalidMessage, sarama.ErrUnknownTopicOrPartition, sarama.ErrLeaderNotAvailable,
+		sarama.ErrNotLeaderForPartition, sarama.ErrRequestTimedOut, sarama.ErrNotEnoughReplicas,
+		sarama.ErrNotEnoughReplicasAfterAppend, sarama.ErrKafkaStorageError, sarama.ErrNetworkException,
+		sarama.ErrFencedLeaderEpoch, sarama.ErrUnknownLeaderEpoch:
+		return true
+	}
+	return false
+}
