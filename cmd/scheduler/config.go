@@ -48,15 +48,16 @@ type config struct {
 	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records written per insert (per partition)"`
 	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill"`
 
-	DispatchLoops        int           `env:"DISPATCH_LOOPS" envDefault:"4" form:"integer 1..256" help:"dispatch loops shared by all replicas on the database"`
-	DispatchWorkers      int           `env:"DISPATCH_WORKERS" envDefault:"4" form:"integer 1..256" help:"dispatch loops this replica runs at most"`
-	DispatchBatchKeys    int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
-	DispatchKeyBatch     int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
-	DispatchLoopDuration time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
-	LeaseDuration        time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 17 x KAFKA_TIMEOUT + 0.3s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
-	PollInterval         time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
-	ListenNotify         bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications; false for PgBouncer transaction mode (poll only)"`
-	DBMaxConns           int32         `env:"DB_MAX_CONNS" envDefault:"20" form:"integer 4..1000" help:"Postgres connection pool size"`
+	DispatchLoops         int           `env:"DISPATCH_LOOPS" envDefault:"4" form:"integer 1..256" help:"dispatch loops shared by all replicas on the database"`
+	DispatchWorkers       int           `env:"DISPATCH_WORKERS" envDefault:"4" form:"integer 1..256" help:"dispatch loops this replica runs at most"`
+	DispatchBatchKeys     int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
+	DispatchKeyBatch      int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
+	DispatchRoundMessages int           `env:"DISPATCH_ROUND_MESSAGES" envDefault:"5000" form:"integer 1..1000000" help:"most messages one dispatch round reads and holds in memory; a round takes many keys with short runs or few keys with whole runs within it"`
+	DispatchLoopDuration  time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
+	LeaseDuration         time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 17 x KAFKA_TIMEOUT + 0.3s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
+	PollInterval          time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
+	ListenNotify          bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications; false for PgBouncer transaction mode (poll only)"`
+	DBMaxConns            int32         `env:"DB_MAX_CONNS" envDefault:"20" form:"integer 4..1000" help:"Postgres connection pool size"`
 
 	KafkaVersion            string        `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`
 	KafkaClientID           string        `env:"KAFKA_CLIENT_ID" envDefault:"defer-scheduler" form:"string" help:"client.id sent to the brokers"`
@@ -179,6 +180,7 @@ func (c *config) validate() error {
 	intRange("DISPATCH_LOOPS", c.DispatchLoops, 1, 256)
 	intRange("DISPATCH_WORKERS", c.DispatchWorkers, 1, 256)
 	intRange("DISPATCH_BATCH_KEYS", c.DispatchBatchKeys, 1, 100000)
+	intRange("DISPATCH_ROUND_MESSAGES", c.DispatchRoundMessages, 1, 1000000)
 	intRange("DISPATCH_KEY_BATCH", c.DispatchKeyBatch, 1, 10000)
 	intRange("DB_MAX_CONNS", int(c.DBMaxConns), 4, 1000)
 

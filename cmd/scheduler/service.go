@@ -149,6 +149,7 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 		HistoryRetention:    cfg.HistoryRetention,
 		Dispatch: dispatch.Config{
 			BatchKeys:       cfg.DispatchBatchKeys,
+			RoundMessages:   cfg.DispatchRoundMessages,
 			PollInterval:    cfg.PollInterval,
 			Targets:         cfg.targets,
 			MaxMessageBytes: cfg.KafkaMaxMessageBytes,

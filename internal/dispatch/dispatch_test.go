@@ -710,3 +710,69 @@ func TestFailedBatchMidRunKeepsKeyOrder(t *testing.T) {
 	mustEqual(t, "messages delivered", next, n)
 	mustEqual(t, "rows left", e.count("true"), 0)
 }
+
+// RoundMessages bounds every round, and a round still takes whole runs of a
+// hot key once it has seen one: many keys with short runs, then few keys with
+// long runs, and back.
+func TestRoundMessagesBoundsRounds(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		keys      int // keys with due messages
+		perKey    int // due messages per key
+		wantFirst int // messages of the first round
+		wantLater int // messages of the second round
+	}{
+		// BatchKeys 10 × limit 10 > 20: first round 10 keys × 2; the keys
+		// had more, so then 2 keys × 10.
+		{"one hot key", 1, 50, 2, 10},
+		{"many hot keys", 12, 30, 20, 20},
+		// Keys with one message each: 10 keys × 1 per round.
+		{"own keys", 40, 1, 10, 10},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t)
+			col := e.collect(topicA)
+			var rows []msg
+			for k := range tc.keys {
+				for i := range tc.perKey {
+					key := fmt.Sprintf("k%d", k)
+					rows = append(rows, msg{key: str(key), target: topicA, recKey: []byte(key), value: []byte(fmt.Sprintf("%s|%d", key, i))})
+				}
+			}
+			e.insert(rows...)
+			l, err := keylock.New(e.pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 10})
+			if err != nil {
+				t.Fatal(err)
+			}
+			d, err := New(l, e.producer, nil, Config{BatchKeys: 10, RoundMessages: 20, PollInterval: 50 * time.Millisecond,
+				MaxBackoff: 200 * time.Millisecond, Targets: allowAll}, testLogger(t))
+			if err != nil {
+				t.Fatal(err)
+			}
+			total := tc.keys * tc.perKey
+			var sent []int
+			for n := 0; n < total; {
+				st, err := d.Round(t.Context())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if st.Published == 0 || st.Published > 20 {
+					t.Fatalf("round %d published %d, want 1..20", len(sent)+1, st.Published)
+				}
+				sent = append(sent, st.Published)
+				n += st.Published
+			}
+			if sent[0] != tc.wantFirst || len(sent) > 1 && sent[1] != tc.wantLater {
+				t.Errorf("rounds published %v, want %d then %d", sent, tc.wantFirst, tc.wantLater)
+			}
+			got := col.wait(t, total, 5*time.Second)
+			next := map[string]int{}
+			for _, m := range got {
+				key, i, _ := strings.Cut(string(m.Value), "|")
+				mustEqual(t, "message of "+key, i, strconv.Itoa(next[key]))
+				next[key]++
+			}
+			mustEqual(t, "rows left", e.count("true"), 0)
+		})
+	}
+}

@@ -22,6 +22,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -47,6 +48,13 @@ type Config struct {
 	// Metrics receives per-round counts and durations, and River job outcomes
 	// when this Config is a Runtime's; nil records nothing.
 	Metrics *metrics.Metrics
+	// RoundMessages caps the messages one round reads and holds, which
+	// bounds a loop's memory; zero: no cap beyond BatchKeys × the locker's
+	// per-key limit. Under the cap a round claims either many keys with
+	// short runs or few keys with whole runs, the latter after a round in
+	// which some key had more due messages than it could take (see
+	// claimSize).
+	RoundMessages int
 	// MaxMessageBytes is the producer's Producer.MaxMessageBytes; zero means
 	// sarama's default (1 MiB). A message larger than that is parked before
 	// the publish rather than refused by the producer, so that when it holds
@@ -71,6 +79,9 @@ type Dispatcher struct {
 	failures int
 	// rounds counts rounds, for tests.
 	rounds int
+	// longRuns says the last claim had a key with more due messages than it
+	// read (see claimSize).
+	longRuns bool
 
 	// afterPublish, when set (tests), runs between publish and finalize; an
 	// error stops the round there, as a crash would.
@@ -204,6 +215,26 @@ func (d *Dispatcher) sleep(ctx context.Context, until time.Time, stop <-chan str
 	}
 }
 
+// claimSize returns how many keys the next claim leases and how many
+// messages it reads per key, within Config.RoundMessages. Without a cap, or
+// when BatchKeys whole runs fit in it, that is BatchKeys and the locker's
+// per-key limit. Otherwise it depends on the last round: if some key filled
+// its share (its run is longer), few keys with whole runs, so that one hot
+// key still moves PerKey messages per round; if not, many keys with short
+// runs, so that many keys with a message or two each still move BatchKeys
+// per round. Either way a round holds at most RoundMessages messages.
+func (d *Dispatcher) claimSize() (keys, perKey int) {
+	keys, perKey = d.cfg.BatchKeys, d.locker.PerKey()
+	limit := d.cfg.RoundMessages
+	if limit <= 0 || keys*perKey <= limit {
+		return keys, perKey
+	}
+	if d.longRuns {
+		return max(1, min(keys, limit/perKey)), perKey
+	}
+	return keys, max(1, limit/keys)
+}
+
 // RoundStats counts what one round did.
 type RoundStats struct {
 	Keys      int // keys claimed
@@ -228,10 +259,12 @@ type batch struct {
 func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	d.rounds++
 	start := d.now()
-	claims, err := d.locker.Claim(ctx, d.cfg.BatchKeys)
+	keys, perKey := d.claimSize()
+	claims, err := d.locker.ClaimRuns(ctx, keys, perKey)
 	if err != nil {
 		return RoundStats{}, err
 	}
+	d.longRuns = slices.ContainsFunc(claims, func(c keylock.Claim) bool { return len(c.Messages) >= perKey })
 	// A failure here must not strand the keys claimed above: they are
 	// published and finalized, and the error is returned after.
 	limitedClaims, st, limitErr := d.claimLimited(ctx)

@@ -141,6 +141,16 @@ func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
 	return l.claim(ctx, maxKeys, l.cfg.PerKey, nil)
 }
 
+// ClaimRuns is Claim reading at most perKey messages per key (at most
+// Config.PerKey): a caller bounding the messages of one claim trades keys
+// for run length with it.
+func (l *Locker) ClaimRuns(ctx context.Context, maxKeys, perKey int) ([]Claim, error) {
+	return l.claim(ctx, maxKeys, max(1, min(perKey, l.cfg.PerKey)), nil)
+}
+
+// PerKey returns Config.PerKey.
+func (l *Locker) PerKey() int { return l.cfg.PerKey }
+
 // ClaimTarget leases up to maxKeys due keys whose head goes to target, which
 // must not be paused, and returns them with one message each: the caller
 // took one token of the target's rate limit per key it asks for (see
