@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"context"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -20,6 +22,8 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 func TestSmokeRun(t *testing.T) {
 	cfg := modes["smoke"]
 	cfg.DatabaseURL = pgtest.AdminURL(t)
+	// Profiling on too, so that it cannot rot either.
+	cfg.ProfileDir, cfg.ServiceProfile = t.TempDir(), time.Second
 	var out, progress bytes.Buffer
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
@@ -59,6 +63,12 @@ func TestSmokeRun(t *testing.T) {
 	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "machine:", "database: PostgreSQL"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
+		}
+	}
+	for _, name := range []string{"ceiling.cpu.pprof", "service_svc_own_0_ingest.cpu.pprof",
+		"service_svc_own_0_dispatch.cpu.pprof", "service_svc_own_0_e2e.cpu.pprof"} {
+		if fi, err := os.Stat(filepath.Join(cfg.ProfileDir, name)); err != nil || fi.Size() == 0 {
+			t.Errorf("profile %s: %v (empty: %v)", name, err, err == nil)
 		}
 	}
 	if t.Failed() {

@@ -289,15 +289,19 @@ func buildScheduler(ctx context.Context, dir string) (string, error) {
 
 // service is a running `scheduler run` subprocess.
 type service struct {
-	cmd  *exec.Cmd
-	http string
-	logs *tail
-	done chan struct{}
+	cmd   *exec.Cmd
+	http  string
+	pprof string // PPROF_ADDR; "" when not profiling
+	logs  *tail
+	done  chan struct{}
 }
 
 // startService runs `scheduler run` with the service's defaults except what
 // the bench's environment requires, and waits until /readyz answers 200.
-func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer) (*service, error) {
+//
+// With profile set the service also serves net/http/pprof (PPROF_ADDR), for
+// cpuProfile.
+func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer, profile bool) (*service, error) {
 	addr, err := freeAddr()
 	if err != nil {
 		return nil, err
@@ -307,6 +311,12 @@ func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Write
 	// Nothing inherited: the service sees its defaults and these only.
 	s.cmd.Env = []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers,
 		"TARGET_TOPICS=bench.*", "HTTP_ADDR=" + addr}
+	if profile {
+		if s.pprof, err = freeAddr(); err != nil {
+			return nil, err
+		}
+		s.cmd.Env = append(s.cmd.Env, "PPROF_ADDR="+s.pprof)
+	}
 	var w io.Writer = s.logs
 	if logs != nil {
 		w = io.MultiWriter(s.logs, logs)
@@ -514,4 +524,51 @@ func procStat(pid int) (stat, bool) {
 	}
 	// Fields 4 (ppid) and 14-17 (utime, stime, cutime, cstime).
 	return stat{ppid: int(num(1)), utime: num(11), stime: num(12), cutime: num(13), cstime: num(14)}, true
+}
+
+// cpuProfile fetches a CPU profile of the service over d into path, in the
+// background, and returns a function that waits for it. A process runs one
+// CPU profile at a time, so it starts once after, the wait of the previous
+// profile, has returned (nil: at once). It does nothing when the service does
+// not serve pprof.
+func (s *service) cpuProfile(path string, d time.Duration, after func() error) func() error {
+	if s.pprof == "" {
+		return func() error { return nil }
+	}
+	done := make(chan error, 1)
+	go func() {
+		var prev error
+		if after != nil {
+			prev = after()
+		}
+		done <- errors.Join(prev, func() error {
+			client := &http.Client{Timeout: d + 10*time.Second}
+			resp, err := client.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, max(1, int(d.Seconds()))))
+			if err != nil {
+				return fmt.Errorf("service CPU profile: %w", err)
+			}
+			defer resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				return fmt.Errorf("service CPU profile: %s", resp.Status)
+			}
+			if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+				return fmt.Errorf("BENCH_PROFILE_DIR: %w", err)
+			}
+			f, err := os.Create(path)
+			if err != nil {
+				return fmt.Errorf("BENCH_PROFILE_DIR: %w", err)
+			}
+			if _, err := io.Copy(f, resp.Body); err != nil {
+				f.Close()
+				return fmt.Errorf("service CPU profile %s: %w", path, err)
+			}
+			return f.Close()
+		}())
+	}()
+	var once sync.Once
+	var err error
+	return func() error {
+		once.Do(func() { err = <-done })
+		return err
+	}
 }

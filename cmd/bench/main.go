@@ -76,6 +76,9 @@ type config struct {
 	// contenders (ceiling, broker, River) and, from a throwaway cluster, the
 	// server log with the plans of slow statements.
 	ProfileDir string
+	// ServiceProfile is how long each phase's CPU profile of the service
+	// runs, from the phase's start (with ProfileDir).
+	ServiceProfile time.Duration
 	// ServiceLogs, when set, receives the service's own logs.
 	ServiceLogs io.Writer
 }
@@ -141,6 +144,10 @@ func configFromEnv(environ []string) (config, error) {
 	cfg.DatabaseURL = env["DATABASE_URL"]
 	cfg.SchedulerBin = env["BENCH_SCHEDULER"]
 	cfg.ProfileDir = env["BENCH_PROFILE_DIR"]
+	cfg.ServiceProfile = 5 * time.Second
+	if quick || smoke {
+		cfg.ServiceProfile = 2 * time.Second
+	}
 	if verbose {
 		cfg.ServiceLogs = os.Stderr
 	}

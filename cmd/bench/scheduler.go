@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -132,10 +133,31 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		ingested <- tracked{pr, err}
 	}()
 	cpu0 := b.cpu(0)
-	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs)
+	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, b.cfg.ProfileDir != "")
 	if err != nil {
 		return sc, err
 	}
+	// With BENCH_PROFILE_DIR, the service's CPU over the first seconds of
+	// each phase (the profile endpoint takes a fixed duration; the phases
+	// run at a steady rate), or, when the previous profile is still running
+	// then, from its end.
+	var profiles []func() error
+	profiled := func(phase string) func() error {
+		path := filepath.Join(b.cfg.ProfileDir, fmt.Sprintf("service_%s_%s.cpu.pprof", label, phase))
+		var prev func() error
+		if len(profiles) > 0 {
+			prev = profiles[len(profiles)-1]
+		}
+		return svc.cpuProfile(path, b.cfg.ServiceProfile, prev)
+	}
+	defer func() {
+		// On an early return. Each wait includes the waits before it, and
+		// returns the same after the first call.
+		if len(profiles) > 0 {
+			_ = profiles[len(profiles)-1]()
+		}
+	}()
+	profiles = append(profiles, profiled("ingest"))
 	pid := svc.cmd.Process.Pid
 	stopped := false
 	defer func() {
@@ -164,6 +186,7 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		return sc, fmt.Errorf("expedite the dispatch phase's rows: %w", err)
 	}
 	t0 := time.Now()
+	profiles = append(profiles, profiled("dispatch"))
 	cpu1 = b.cpu(pid)
 	if tag.RowsAffected() != int64(n) {
 		return sc, fmt.Errorf("expedite the dispatch phase's rows: %d rows pending, want %d", tag.RowsAffected(), n)
@@ -177,6 +200,7 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 
 	// 3. End to end.
 	sent := make(chan error, 1)
+	profiles = append(profiles, profiled("e2e"))
 	start := time.Now()
 	go func() {
 		_, _, err := produceAll(ctx, lp, n, func(i int) *sarama.ProducerMessage {
@@ -213,6 +237,12 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 
 	if sc.hwm, sc.rss, err = svc.memory(); err != nil {
 		return sc, err
+	}
+	if len(profiles) > 0 {
+		// Profiles still running need the service.
+		if perr := profiles[len(profiles)-1](); perr != nil {
+			b.say("%v", perr)
+		}
 	}
 	stopped = true
 	if err := svc.stop(); err != nil {
