@@ -257,12 +257,20 @@ func (s *service) run(ctx context.Context) error {
 	stopIngest()
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
 	defer stopCancel()
+	// Ingest and dispatch stop side by side, each within SHUTDOWN_TIMEOUT:
+	// ingest can be stuck in a consumer-group join for up to its read
+	// timeout (25 s or more, see deferral.ConsumerConfig), which must not
+	// eat the time dispatch loops have to finish their round.
+	dispatchStopped := make(chan error, 1)
+	go func() { dispatchStopped <- s.runtime.Stop(stopCtx) }()
 	select {
 	case <-ingestDone:
 	case <-stopCtx.Done():
+		// Nothing is lost: what a session read is stored before its
+		// offsets are marked, and a join holds no records.
 		s.logger.Warn("ingest did not stop in time")
 	}
-	if stopErr := s.runtime.Stop(stopCtx); stopErr != nil {
+	if stopErr := <-dispatchStopped; stopErr != nil {
 		// A loop is still publishing: closing the producer under it would
 		// crash it. Leave both to the process exit; its leases expire and the
 		// round is republished (at-least-once).
