@@ -42,6 +42,7 @@ type result struct {
 	ProduceFaults   int // produce requests of the service the broker failed
 	FetchFaults     int // fetch requests of the service the broker failed
 	UnexpectedExits int // services that exited without being killed
+	Reaped          int // members of gone processes removed from the group by the run (see reaper)
 	CleanStops      int // services that exited 0 on SIGTERM at the end
 	Services        int
 	Drained         time.Duration // from the end of the chaos to all delivered
@@ -227,6 +228,7 @@ func (r *result) print(w io.Writer) {
 	row("produce faults", r.ProduceFaults, "service's produce requests failed by the broker")
 	row("fetch faults", r.FetchFaults, "service's fetch requests failed by the broker")
 	row("unexpected exits", r.UnexpectedExits, "restarted")
+	row("members reaped", r.Reaped, "gone processes' members kfake kept past their session")
 	row("clean stops", fmt.Sprintf("%d/%d", r.CleanStops, r.Services), "exit 0 on SIGTERM")
 	row("drain wait", r.Drained.Round(100*time.Millisecond), "end of chaos to all delivered, or to giving up")
 	tw.Flush()
@@ -238,8 +240,8 @@ func (r *result) print(w io.Writer) {
 		status = "FAILED"
 		fmt.Fprintf(w, "FAILED: %s\n", strings.Join(b, "; "))
 	}
-	fmt.Fprintf(w, "RESULT status=%s mode=%s seed=%d sent=%d redefers=%d records=%d delivered=%d lost=%d duplicates=%d dup_bound=%d order_violations=%d unexpected=%d ingest_lag=%d stored=%d stored_redefers=%d pending=%d parked=%d rejected=%d kills=%d pg_restarts=%d produce_faults=%d fetch_faults=%d unexpected_exits=%d not_ready=%t clean_stops=%d drain_s=%.1f duration_s=%.0f\n",
+	fmt.Fprintf(w, "RESULT status=%s mode=%s seed=%d sent=%d redefers=%d records=%d delivered=%d lost=%d duplicates=%d dup_bound=%d order_violations=%d unexpected=%d ingest_lag=%d stored=%d stored_redefers=%d pending=%d parked=%d rejected=%d kills=%d pg_restarts=%d produce_faults=%d fetch_faults=%d unexpected_exits=%d not_ready=%t clean_stops=%d drain_s=%.1f duration_s=%.0f reaped=%d\n",
 		status, r.Mode, r.Seed, r.Sent, r.Redefers, r.Deliveries, r.Delivered, r.Lost, r.Duplicates, r.DupBound,
 		r.OrderViolations, r.Unexpected, r.IngestLag, r.StoredFirst, r.StoredRedefers, r.Pending, r.Parked, r.Rejected, r.Kills, r.PGRestarts,
-		r.ProduceFaults, r.FetchFaults, r.UnexpectedExits, r.NotReady != "", r.CleanStops, r.Drained.Seconds(), r.Duration.Seconds())
+		r.ProduceFaults, r.FetchFaults, r.UnexpectedExits, r.NotReady != "", r.CleanStops, r.Drained.Seconds(), r.Duration.Seconds(), r.Reaped)
 }

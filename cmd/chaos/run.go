@@ -17,6 +17,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/pglocal"
 )
 
@@ -92,6 +93,16 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 			fl.killAll()
 		}
 	}()
+	// kfake can keep a killed process's member in the group for good, with
+	// partitions nobody then reads; the reaper removes such members once
+	// their session has expired, as Kafka would (see reaper).
+	reapCtx, stopReaper := context.WithCancel(ctx)
+	defer stopReaper()
+	reaped := make(chan int, 1)
+	cc := deferral.ConsumerConfig(kafkaConfig())
+	rp := &reaper{kc: kc, addr: addr, group: consumerGroup, gone: fl.gone, say: say,
+		session: cc.Consumer.Group.Session.Timeout, rebalance: cc.Consumer.Group.Rebalance.Timeout}
+	go func() { reaped <- rp.run(reapCtx, 500*time.Millisecond) }()
 	if err := fl.waitReady(ctx, time.Minute); err != nil {
 		return nil, err
 	}
@@ -207,6 +218,9 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 	if drainErr != nil {
 		say("%v; checking what arrived", drainErr)
 	}
+	say("%s", groupSummary(kc.GroupInfo(consumerGroup), deferTopic, partitions, fl.running()))
+	stopReaper()
+	res.Reaped = <-reaped
 	// Late duplicates (a lease taken over just now) would arrive within a
 	// poll or two.
 	time.Sleep(time.Second)

@@ -6,14 +6,18 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/twmb/franz-go/pkg/kfake"
 )
 
 // buildScheduler builds ./cmd/scheduler into dir and returns its path.
@@ -27,6 +31,9 @@ func buildScheduler(ctx context.Context, dir string) (string, error) {
 	return bin, nil
 }
 
+// consumerGroup is the services' ingest consumer group.
+const consumerGroup = "chaos"
+
 // serviceEnv is the services' configuration: a short Kafka timeout and a
 // short lease (the service requires more than 17 x KAFKA_TIMEOUT + 0.3 s;
 // 20 x is used) so that the work of a killed process is taken over within
@@ -34,7 +41,7 @@ func buildScheduler(ctx context.Context, dir string) (string, error) {
 // the re-deferrals that name no delay.
 func serviceEnv(dbURL, brokers string, kafkaTimeout time.Duration) []string {
 	return []string{
-		"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "CONSUMER_GROUP=chaos",
+		"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "CONSUMER_GROUP=" + consumerGroup,
 		"TARGET_TOPICS=" + targetPattern, "RETRY_POLICIES=" + retryPolicies,
 		"KAFKA_TIMEOUT=" + kafkaTimeout.String(), "LEASE_DURATION=" + (20 * kafkaTimeout).String(), "POLL_INTERVAL=100ms",
 		"DISPATCH_LOOP_DURATION=2s", "INGEST_BATCH_LINGER=10ms", "SHUTDOWN_TIMEOUT=15s",
@@ -62,7 +69,11 @@ const restartBackoff = time.Second
 type proc struct {
 	cmd  *exec.Cmd
 	http string
-	done chan struct{}
+	// clientID is the process's KAFKA_CLIENT_ID, unique per process
+	// (chaos-s<slot>-<start>): the broker prefixes its consumer-group member
+	// IDs with it, so a member can be told apart by the process it belongs to.
+	clientID string
+	done     chan struct{}
 }
 
 // fleet is the three service slots. A slot always has a process: killing
@@ -76,12 +87,16 @@ type fleet struct {
 	mu         sync.Mutex
 	procs      []*proc
 	gens       []int // per slot, bumped by each kill
+	starts     []int // per slot, processes started
 	stopping   bool
 	unexpected int // exits nobody asked for (each is restarted)
+	// dead holds, by Kafka client ID, when each process that is no longer
+	// running (killed, or exited on its own) went.
+	dead map[string]time.Time
 }
 
 func newFleet(bin string, env []string, n int, live io.Writer) (*fleet, error) {
-	f := &fleet{bin: bin, env: env, logs: &tail{max: 256 << 10}, live: live, procs: make([]*proc, n), gens: make([]int, n)}
+	f := &fleet{bin: bin, env: env, logs: &tail{max: 256 << 10}, live: live, procs: make([]*proc, n), gens: make([]int, n), starts: make([]int, n), dead: map[string]time.Time{}}
 	for i := range n {
 		p, err := f.spawn(i)
 		if err != nil {
@@ -100,9 +115,10 @@ func (f *fleet) spawn(i int) (*proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &proc{http: addr, done: make(chan struct{})}
+	f.starts[i]++
+	p := &proc{http: addr, clientID: fmt.Sprintf("chaos-s%d-%d", i, f.starts[i]), done: make(chan struct{})}
 	p.cmd = exec.Command(f.bin, "run")
-	p.cmd.Env = append(append([]string(nil), f.env...), "HTTP_ADDR="+addr)
+	p.cmd.Env = append(append([]string(nil), f.env...), "HTTP_ADDR="+addr, "KAFKA_CLIENT_ID="+p.clientID)
 	var w io.Writer = &prefixed{prefix: fmt.Sprintf("[s%d] ", i), w: f.logs}
 	if f.live != nil {
 		w = io.MultiWriter(w, &prefixed{prefix: fmt.Sprintf("[s%d] ", i), w: f.live})
@@ -111,6 +127,7 @@ func (f *fleet) spawn(i int) (*proc, error) {
 	if err := p.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start %s run: %w", f.bin, err)
 	}
+	fmt.Fprintf(w, "[chaos] started pid %d, Kafka client id %s\n", p.cmd.Process.Pid, p.clientID)
 	go func() {
 		_ = p.cmd.Wait() // the exit status is read from ProcessState
 		close(p.done)
@@ -127,6 +144,7 @@ func (f *fleet) exited(i int, p *proc) {
 		return // stopped or killed on purpose
 	}
 	f.unexpected++
+	f.dead[p.clientID] = time.Now()
 	fmt.Fprintf(f.logs, "[chaos] scheduler s%d (pid %d) exited on its own: %v; restarting it in %s\n", i, p.cmd.Process.Pid, p.cmd.ProcessState, restartBackoff)
 	f.procs[i] = nil
 	gen := f.gens[i]
@@ -159,6 +177,9 @@ func (f *fleet) kill(i int) error {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if old != nil {
+		f.dead[old.clientID] = time.Now()
+	}
 	p, err := f.spawn(i)
 	if err != nil {
 		return err
@@ -248,6 +269,61 @@ func (f *fleet) killAll() {
 			<-p.done
 		}
 	}
+}
+
+// gone returns, by Kafka client ID, when each process that is no longer
+// running went.
+func (f *fleet) gone() map[string]time.Time {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return maps.Clone(f.dead)
+}
+
+// running returns the Kafka client IDs of the processes running now.
+func (f *fleet) running() map[string]bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ids := map[string]bool{}
+	for _, p := range f.procs {
+		if p != nil {
+			ids[p.clientID] = true
+		}
+	}
+	return ids
+}
+
+// groupSummary describes a consumer group as the broker holds it: state,
+// generation, each member with its process (running or gone, by its client
+// ID) and its partitions of topic, and the partitions of topic (nparts of
+// them) nobody is assigned.
+func groupSummary(g *kfake.GroupInfo, topic string, nparts int32, running map[string]bool) string {
+	if g == nil {
+		return "consumer group unknown to the broker"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "consumer group %s: %s, generation %d", g.Group, g.State, g.Epoch)
+	owned := map[int32]bool{}
+	for _, m := range g.Members {
+		state := "process gone"
+		if running[m.ClientID] {
+			state = "running"
+		}
+		ps := m.Assignment[topic]
+		for _, p := range ps {
+			owned[p] = true
+		}
+		fmt.Fprintf(&b, "; member %s (%s) %v", m.MemberID, state, ps)
+	}
+	var unowned []int32
+	for p := range nparts {
+		if !owned[p] {
+			unowned = append(unowned, p)
+		}
+	}
+	if len(unowned) > 0 {
+		fmt.Fprintf(&b, "; %s partitions assigned to nobody: %v", topic, unowned)
+	}
+	return b.String()
 }
 
 func (f *fleet) unexpectedExits() int {

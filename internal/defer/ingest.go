@@ -170,12 +170,19 @@ func (in *Ingester) Setup(sess sarama.ConsumerGroupSession) error {
 	}
 	in.from = from
 	in.joined.Store(true)
+	// Which member holds which partitions, per generation: with every
+	// process's lines, a partition nobody claims (or two processes claim)
+	// shows. Partition numbers and group identifiers only.
+	in.logger.Info("ingest partitions claimed", "topic", in.cfg.Topic, "generation", sess.GenerationID(),
+		"member", sess.MemberID(), "partitions", parts)
 	return nil
 }
 
 // Cleanup implements sarama.ConsumerGroupHandler.
-func (in *Ingester) Cleanup(sarama.ConsumerGroupSession) error {
+func (in *Ingester) Cleanup(sess sarama.ConsumerGroupSession) error {
 	in.joined.Store(false)
+	in.logger.Info("ingest partitions released", "topic", in.cfg.Topic, "generation", sess.GenerationID(),
+		"member", sess.MemberID(), "partitions", sess.Claims()[in.cfg.Topic])
 	return nil
 }
 
@@ -183,7 +190,7 @@ func (in *Ingester) Cleanup(sarama.ConsumerGroupSession) error {
 // partition's records by count and by time and stores each batch before
 // marking its offsets. When the session ends (rebalance, shutdown) it writes
 // what it holds, so nothing read is left unstored, and returns.
-func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
+func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) (err error) {
 	ctx := sess.Context()
 	batch := make([]*sarama.ConsumerMessage, 0, in.cfg.BatchSize)
 	linger := time.NewTimer(time.Hour)
@@ -200,6 +207,22 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 		in.cfg.Metrics.SetLag(claim.Partition(), claim.HighWaterMarkOffset()-next)
 	}
 	defer in.cfg.Metrics.DeleteLag(claim.Partition())
+	in.logger.Info("ingest claim started", "topic", claim.Topic(), "partition", claim.Partition(),
+		"generation", sess.GenerationID(), "initial_offset", claim.InitialOffset(), "high_water_mark", claim.HighWaterMarkOffset())
+	defer func() {
+		// Why the claim ended: the session ending (rebalance, shutdown),
+		// the consumer closing the partition, or an error, which ends
+		// the session for every claim.
+		why := "session ended"
+		switch {
+		case err != nil:
+			why = "error"
+		case ctx.Err() == nil:
+			why = "partition consumer closed"
+		}
+		in.logger.Info("ingest claim ended", "topic", claim.Topic(), "partition", claim.Partition(),
+			"generation", sess.GenerationID(), "reason", why, "error", err)
+	}()
 	flush := func(ctx context.Context) error {
 		if len(batch) == 0 {
 			return nil
