@@ -52,7 +52,7 @@ type config struct {
 	DispatchWorkers       int           `env:"DISPATCH_WORKERS" envDefault:"4" form:"integer 1..256" help:"dispatch loops this replica runs at most"`
 	DispatchBatchKeys     int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
 	DispatchKeyBatch      int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
-	DispatchRoundMessages int           `env:"DISPATCH_ROUND_MESSAGES" envDefault:"5000" form:"integer 1..1000000" help:"most messages one dispatch round reads and holds in memory; a round takes many keys with short runs or few keys with whole runs within it"`
+	DispatchRoundMessages int           `env:"DISPATCH_ROUND_MESSAGES" envDefault:"5000" form:"integer 1..1000000" help:"most messages one dispatch round claims and holds in memory (rate-limited targets' claims come on top); a round takes many keys with short runs or few keys with whole runs within it"`
 	DispatchLoopDuration  time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
 	LeaseDuration         time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 17 x KAFKA_TIMEOUT + 0.3s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
 	PollInterval          time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`

@@ -10,15 +10,19 @@
 // scheduler promises per-key order, so it needs a producer whose failures are
 // monotonic per partition. This one sends each partition's messages as whole
 // record batches, one batch per partition per request, and a partition's next
-// batch only after the previous one was acknowledged. A batch the broker
-// refuses, or that fails Producer.Retry.Max+1 times, fails together with
-// every later message of its partition (ErrNotSent); the other partitions go
-// on.
+// batch only after the previous one was acknowledged. A batch that fails
+// Producer.Retry.Max+1 times fails together with every later message of its
+// partition (ErrNotSent); the other partitions go on. A batch the broker
+// refuses for good is sent again one message per batch, so that the refusal
+// lands on the message that caused it, and the partition stops there.
 //
-// Retries are not idempotent: a batch whose request timed out after the
-// broker wrote it is written again. The copy comes right after the original,
-// before anything later of the partition, so the order of first deliveries
-// holds, and a consumer recognises the copy by its headers (defer.id).
+// Retries are not idempotent: a batch whose request failed (a timeout, a
+// broken connection) after the broker wrote it is written again, and the
+// original may land after the copy and after later batches. Each
+// message's first delivery still comes after the first delivery of every
+// message before it in the partition, which is the order a deferral
+// scheduler promises; a consumer recognises copies by their headers
+// (defer.id).
 package batchproducer
 
 import (
@@ -26,7 +30,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -44,6 +47,13 @@ var ErrOutOfTime = errors.New("not sent: the publish ran out of time")
 // batchOverhead is the size of a record batch's header (v2), which
 // ProducerMessage.ByteSize does not count.
 const batchOverhead = 61
+
+// Fits reports whether m fits in a record batch of its own under
+// maxMessageBytes (Producer.MaxMessageBytes); SendMessages refuses a message
+// that does not, with a sarama.ConfigurationError as sarama's producer does.
+func Fits(m *sarama.ProducerMessage, maxMessageBytes int) bool {
+	return m.ByteSize(2)+batchOverhead <= maxMessageBytes
+}
 
 // maxRequestBytes caps the record bytes of one produce request; partitions
 // beyond it wait for the next request. Brokers refuse requests above
@@ -67,6 +77,9 @@ func New(brokers []string, conf *sarama.Config) (*Producer, error) {
 	if !conf.Version.IsAtLeast(sarama.V0_11_0_0) {
 		return nil, fmt.Errorf("batch producer: Kafka version %s is older than 0.11, which has no record batches", conf.Version)
 	}
+	if conf.Metadata.Timeout <= 0 {
+		return nil, fmt.Errorf("batch producer: Metadata.Timeout must be set: it bounds the metadata refreshes within MaxDuration")
+	}
 	client, err := sarama.NewClient(brokers, conf)
 	if err != nil {
 		return nil, err
@@ -74,7 +87,8 @@ func New(brokers []string, conf *sarama.Config) (*Producer, error) {
 	return &Producer{client: client, conf: conf, version: requestVersion(conf.Version), limit: MaxDuration(conf)}, nil
 }
 
-// Close closes the connections. Calls in progress fail.
+// Close closes the connections. A call in progress fails at its next
+// lookup or request (a request already on the wire may still complete).
 func (p *Producer) Close() error { return p.client.Close() }
 
 // requestVersion is the produce request version sarama's own producer uses
@@ -107,10 +121,14 @@ func step(c *sarama.Config) time.Duration {
 // (a dial, a write and a read) and a back-off, with a metadata refresh
 // (bounded by Metadata.Timeout) before the first and after each. It is the
 // bound sarama's own producer has with the same settings. A call does not
-// begin a request or a refresh it could not finish within it, and fails
-// what is left with ErrOutOfTime; so when a partition's messages need
-// several batches in a row, the later ones may be left for the next call. A
-// lease must be longer, or a slow publish could overlap a second holder's.
+// begin a lookup, a request or a refresh it could not finish within it, and
+// stops waiting for a request at its end (the request may still complete:
+// its messages are then published twice, and later ones of their partition
+// were not sent); what is left fails with ErrOutOfTime. So when a
+// partition's messages need several batches in a row, or requests queue
+// behind other callers' on a connection, the later ones may be left for the
+// next call. A lease must be longer, or a slow publish could overlap a
+// second holder's.
 func MaxDuration(c *sarama.Config) time.Duration {
 	tries := time.Duration(c.Producer.Retry.Max + 1)
 	return tries*(step(c)+c.Producer.Retry.Backoff) + (tries+1)*c.Metadata.Timeout
@@ -130,6 +148,23 @@ type partition struct {
 	batch *sarama.RecordBatch
 	tries int
 	err   error // the batch's last error
+	// single: send one message per batch from now on. Set when a batch of
+	// several is refused for good, so that the refusal lands on the
+	// message that caused it, not on every message batched with it.
+	single bool
+}
+
+// outOfTime fails the partition's remaining messages with ErrOutOfTime,
+// naming the last attempt's error if there was one.
+func (pt *partition) outOfTime(errs sarama.ProducerErrors) sarama.ProducerErrors {
+	err := error(ErrOutOfTime)
+	if pt.err != nil {
+		// Not %w: the message was not refused, whatever the last attempt
+		// said; it stays retriable.
+		err = fmt.Errorf("%w (last attempt: %v)", ErrOutOfTime, pt.err)
+	}
+	pt.n = 0
+	return pt.failRest(errs, err)
 }
 
 // SendMessages publishes msgs and returns nil, or sarama.ProducerErrors
@@ -141,10 +176,8 @@ type partition struct {
 // message's Partition and Offset are set.
 func (p *Producer) SendMessages(msgs []*sarama.ProducerMessage) error {
 	end := time.Now().Add(p.limit)
-	// A round may look up a leader (a metadata refresh) and send a request.
-	round := step(p.conf) + p.conf.Metadata.Timeout
 	var errs sarama.ProducerErrors
-	parts := p.partition(msgs, &errs)
+	parts := p.partition(msgs, &errs, end)
 	for {
 		var active []*partition
 		for _, pt := range parts {
@@ -155,35 +188,30 @@ func (p *Producer) SendMessages(msgs []*sarama.ProducerMessage) error {
 		if len(active) == 0 {
 			break
 		}
-		if time.Now().Add(round).After(end) {
-			for _, pt := range active {
-				err := error(ErrOutOfTime)
-				if pt.err != nil {
-					// Not %w: the message was not refused, whatever the
-					// last attempt said; it stays retriable.
-					err = fmt.Errorf("%w (last attempt: %v)", ErrOutOfTime, pt.err)
-				}
-				pt.n = 0
-				errs = pt.failRest(errs, err)
-			}
-			break
+		retry := p.round(active, &errs, end)
+		if len(retry) == 0 {
+			continue
 		}
-		retry := p.round(active, &errs)
+		// What failed may have moved: look again before the next attempt,
+		// after the back-off (which the refresh counts in). Without the
+		// time for that and one more round, the retries end here.
 		pause := p.conf.Metadata.Timeout + p.conf.Producer.Retry.Backoff
-		if len(retry) > 0 && !time.Now().Add(pause+round).After(end) {
-			// What failed may have moved: look again before the next
-			// attempt, after the back-off (which the refresh counts in).
-			started := time.Now()
-			var topics []string
+		if time.Now().Add(pause + p.roundTime()).After(end) {
 			for _, pt := range retry {
-				if !slices.Contains(topics, pt.topic) {
-					topics = append(topics, pt.topic)
-				}
+				errs = pt.outOfTime(errs)
 			}
-			_ = p.client.RefreshMetadata(topics...) // a failure shows in the next attempt
-			if wait := p.conf.Producer.Retry.Backoff - time.Since(started); wait > 0 {
-				time.Sleep(wait)
+			continue
+		}
+		started := time.Now()
+		var topics []string
+		for _, pt := range retry {
+			if !slices.Contains(topics, pt.topic) {
+				topics = append(topics, pt.topic)
 			}
+		}
+		_ = p.client.RefreshMetadata(topics...) // a failure shows in the next attempt
+		if wait := p.conf.Producer.Retry.Backoff - time.Since(started); wait > 0 {
+			time.Sleep(wait)
 		}
 	}
 	if len(errs) > 0 {
@@ -192,10 +220,16 @@ func (p *Producer) SendMessages(msgs []*sarama.ProducerMessage) error {
 	return nil
 }
 
+// roundTime is the longest a round's first lookup and request take: a
+// metadata refresh and a request.
+func (p *Producer) roundTime() time.Duration {
+	return step(p.conf) + p.conf.Metadata.Timeout
+}
+
 // partition assigns every message its partition, encodes it and groups the
 // messages by partition, in order of first appearance. Messages that cannot
 // be sent go to errs, with the rest of their partition after them.
-func (p *Producer) partition(msgs []*sarama.ProducerMessage, errs *sarama.ProducerErrors) []*partition {
+func (p *Producer) partition(msgs []*sarama.ProducerMessage, errs *sarama.ProducerErrors, end time.Time) []*partition {
 	type topicInfo struct {
 		n      int32
 		sticky int32
@@ -209,16 +243,23 @@ func (p *Producer) partition(msgs []*sarama.ProducerMessage, errs *sarama.Produc
 		ti := topics[m.Topic]
 		if ti == nil {
 			ti = &topicInfo{parts: map[int32]*partition{}}
-			ids, err := p.client.Partitions(m.Topic)
-			switch {
-			case err != nil:
+			// A topic not in the cache costs a metadata refresh.
+			if time.Now().Add(p.conf.Metadata.Timeout).After(end) {
+				ti.err = ErrOutOfTime
+			} else if ids, err := p.client.Partitions(m.Topic); err != nil {
 				ti.err = err
-			case len(ids) == 0:
+			} else if len(ids) == 0 {
 				ti.err = sarama.ErrLeaderNotAvailable
-			default:
+			} else {
 				ti.n = int32(len(ids))
-				ti.sticky = rand.Int32N(ti.n)
 				ti.hash = sarama.NewMurmur2Partitioner(m.Topic)
+				// Keyless messages go to a partition with a leader, as
+				// sarama's random partitioner picks.
+				if w, err := p.client.WritablePartitions(m.Topic); err == nil && len(w) > 0 {
+					ti.sticky = w[rand.IntN(len(w))]
+				} else {
+					ti.sticky = ids[rand.IntN(len(ids))]
+				}
 			}
 			topics[m.Topic] = ti
 		}
@@ -282,7 +323,7 @@ func (p *Producer) encode(m *sarama.ProducerMessage) (*sarama.Record, int, error
 		r.Headers = append(r.Headers, &m.Headers[i])
 	}
 	size := m.ByteSize(2)
-	if size+batchOverhead > p.conf.Producer.MaxMessageBytes {
+	if !Fits(m, p.conf.Producer.MaxMessageBytes) {
 		return nil, 0, sarama.ConfigurationError(fmt.Sprintf(
 			"Attempt to produce message larger than configured Producer.MaxMessageBytes: %d > %d",
 			size, p.conf.Producer.MaxMessageBytes))
@@ -323,8 +364,9 @@ func (p *Producer) build(pt *partition) {
 	}
 	size := batchOverhead
 	n := 0
+	var maxDelta time.Duration
 	for i := pt.next; i < len(pt.msgs); i++ {
-		if n > 0 && size+pt.sizes[i] > p.conf.Producer.MaxMessageBytes {
+		if n > 0 && (pt.single || size+pt.sizes[i] > p.conf.Producer.MaxMessageBytes) {
 			break
 		}
 		r := pt.recs[i]
@@ -332,19 +374,24 @@ func (p *Producer) build(pt *partition) {
 		r.TimestampDelta = 0
 		if ts := pt.msgs[i].Timestamp; !ts.IsZero() {
 			r.TimestampDelta = ts.Truncate(time.Millisecond).Sub(now)
+			maxDelta = max(maxDelta, r.TimestampDelta)
 		}
 		b.Records = append(b.Records, r)
 		size += pt.sizes[i]
 		n++
 	}
 	b.LastOffsetDelta = int32(n - 1)
+	b.MaxTimestamp = now.Add(maxDelta)
 	pt.batch, pt.n, pt.tries, pt.err = b, n, 0, nil
 }
 
 // round sends the next batch of every active partition, one request per
 // leader (within maxRequestBytes; partitions beyond wait for the next
-// round), and settles the answers. It returns the partitions to retry.
-func (p *Producer) round(active []*partition, errs *sarama.ProducerErrors) []*partition {
+// round), and settles the answers. It returns the partitions to retry. It
+// looks up no leader it could not look up and send to before end, looks up
+// a topic's leaders only until one lookup fails (that one refreshed the
+// topic already), and waits for no request past end.
+func (p *Producer) round(active []*partition, errs *sarama.ProducerErrors, end time.Time) []*partition {
 	type request struct {
 		broker *sarama.Broker
 		req    *sarama.ProduceRequest
@@ -356,10 +403,20 @@ func (p *Producer) round(active []*partition, errs *sarama.ProducerErrors) []*pa
 	var retry []*partition
 	var reqs []*request
 	byBroker := map[*sarama.Broker]*request{}
+	lookupFailed := map[string]error{}
 	for _, pt := range active {
+		if time.Now().Add(p.roundTime()).After(end) {
+			*errs = pt.outOfTime(*errs)
+			continue
+		}
 		p.build(pt)
+		if err := lookupFailed[pt.topic]; err != nil {
+			p.failed(pt, err, errs, &retry)
+			continue
+		}
 		broker, err := p.client.Leader(pt.topic, pt.id)
 		if err != nil {
+			lookupFailed[pt.topic] = err
 			p.failed(pt, err, errs, &retry)
 			continue
 		}
@@ -384,40 +441,76 @@ func (p *Producer) round(active []*partition, errs *sarama.ProducerErrors) []*pa
 		r.parts = append(r.parts, pt)
 		r.bytes += bytes
 	}
+	if len(reqs) == 0 {
+		return retry
+	}
 
-	var wg sync.WaitGroup
+	// A request can wait behind other callers' on the broker's connection
+	// (sarama sends one at a time per connection) and behind a reconnect,
+	// so its own network timeouts do not bound it: the wait stops at end.
+	// A request given up on here may still be written; its messages are
+	// reported failed, retriably, and published twice.
+	answered := make(chan *request, len(reqs))
 	for _, r := range reqs {
-		wg.Go(func() {
+		go func() {
 			r.resp, r.err = r.broker.Produce(r.req)
-			if r.err != nil {
+			if r.err != nil && brokenConnection(r.err) {
 				// The connection may be broken; Leader opens it again.
 				_ = r.broker.Close()
 			}
-		})
+			answered <- r
+		}()
 	}
-	wg.Wait()
-
-	for _, r := range reqs {
-		for _, pt := range r.parts {
-			if r.err != nil {
-				p.failed(pt, r.err, errs, &retry)
-				continue
+	timer := time.NewTimer(time.Until(end))
+	defer timer.Stop()
+	pending := len(reqs)
+	for pending > 0 {
+		select {
+		case r := <-answered:
+			pending--
+			for _, pt := range r.parts {
+				p.settle(pt, r.resp, r.err, errs, &retry)
 			}
-			if r.resp == nil { // acks=0: nothing to wait for
-				pt.done(-1)
-				continue
+			r.parts = nil
+		case <-timer.C:
+			for _, r := range reqs {
+				for _, pt := range r.parts {
+					pt.err = errors.New("produce request not answered in time")
+					*errs = pt.outOfTime(*errs)
+				}
 			}
-			switch block := r.resp.GetBlock(pt.topic, pt.id); {
-			case block == nil:
-				p.failed(pt, sarama.ErrIncompleteResponse, errs, &retry)
-			case block.Err == sarama.ErrNoError:
-				pt.done(block.Offset)
-			default:
-				p.failed(pt, block.Err, errs, &retry)
-			}
+			return retry
 		}
 	}
 	return retry
+}
+
+// settle records the answer to the partition's batch.
+func (p *Producer) settle(pt *partition, resp *sarama.ProduceResponse, err error, errs *sarama.ProducerErrors, retry *[]*partition) {
+	if err != nil {
+		p.failed(pt, err, errs, retry)
+		return
+	}
+	if resp == nil { // acks=0: nothing to wait for
+		pt.done(-1)
+		return
+	}
+	switch block := resp.GetBlock(pt.topic, pt.id); {
+	case block == nil:
+		p.failed(pt, sarama.ErrIncompleteResponse, errs, retry)
+	case block.Err == sarama.ErrNoError:
+		pt.done(block.Offset)
+	default:
+		p.failed(pt, block.Err, errs, retry)
+	}
+}
+
+// brokenConnection reports whether err from a request may mean its
+// connection is broken: anything but an error about the request itself.
+func brokenConnection(err error) bool {
+	var enc sarama.PacketEncodingError
+	var cfg sarama.ConfigurationError
+	return !errors.As(err, &enc) && !errors.As(err, &cfg) && !errors.Is(err, sarama.ErrClosedClient)
 }
 
 // done records the partition's batch as acknowledged at offset (-1:
@@ -438,7 +531,16 @@ func (pt *partition) done(offset int64) {
 func (p *Producer) failed(pt *partition, err error, errs *sarama.ProducerErrors, retry *[]*partition) {
 	pt.tries++
 	pt.err = err
-	if retriable(err) && pt.tries <= p.conf.Producer.Retry.Max {
+	if retriable(err) {
+		if pt.tries <= p.conf.Producer.Retry.Max {
+			*retry = append(*retry, pt)
+			return
+		}
+	} else if pt.n > 1 {
+		// Refused for good, but maybe for one message of the batch only:
+		// the broker rejects a batch whole. Send the partition one message
+		// per batch from here, so that the refusal lands on its cause.
+		pt.single, pt.batch, pt.n, pt.tries = true, nil, 0, 0
 		*retry = append(*retry, pt)
 		return
 	}
@@ -451,7 +553,9 @@ func (p *Producer) failed(pt *partition, err error, errs *sarama.ProducerErrors,
 func retriable(err error) bool {
 	var kerr sarama.KError
 	if !errors.As(err, &kerr) {
-		return !errors.Is(err, sarama.ErrClosedClient)
+		var enc sarama.PacketEncodingError
+		var cfg sarama.ConfigurationError
+		return !errors.As(err, &enc) && !errors.As(err, &cfg) && !errors.Is(err, sarama.ErrClosedClient)
 	}
 	switch kerr {
 	case sarama.ErrInvalidMessage, sarama.ErrUnknownTopicOrPartition, sarama.ErrLeaderNotAvailable,

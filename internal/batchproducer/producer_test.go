@@ -1,6 +1,7 @@
 package batchproducer
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -190,33 +191,72 @@ func faultFrom(c *kfake.Cluster, part int32, from, n int64, code *kerr.Error) *a
 	return &seen
 }
 
+// faultPoison fails, with code, every produce request whose batch for
+// topic holds the bytes marker; it returns a counter of those requests.
+func faultPoison(c *kfake.Cluster, marker []byte, code *kerr.Error) *atomic.Int64 {
+	var seen atomic.Int64
+	c.Fault(kfake.Fault{
+		Keys: []kmsg.Key{kmsg.Produce}, Topic: topic, Err: code, Count: -1,
+		When: func(req kmsg.Request) bool {
+			for _, tp := range req.(*kmsg.ProduceRequest).Topics {
+				for _, pp := range tp.Partitions {
+					if tp.Topic == topic && bytes.Contains(pp.Records, marker) {
+						seen.Add(1)
+						return true
+					}
+				}
+			}
+			return false
+		},
+	})
+	return &seen
+}
+
 // TestFailStop is the guarantee: once a batch of a partition fails for good,
 // nothing later of that partition is sent, and the other partitions go on.
+// A batch refused for good is sent again one message per batch, so that the
+// refusal lands on the message that caused it.
 func TestFailStop(t *testing.T) {
+	poison := []byte("POISON")
 	for _, tc := range []struct {
-		name  string
-		code  *kerr.Error
-		tries int64 // requests the failing batch makes
+		name string
+		code *kerr.Error
+		// fault installs the fault for the key's partition and returns a
+		// counter of the requests it failed.
+		fault func(c *kfake.Cluster, part int32) *atomic.Int64
+		// Expected: messages acknowledged (0: some), requests failed.
+		sent, faulted int
 	}{
-		{"retriable, retries run out", kerr.NotLeaderForPartition, 3},
-		{"refused", kerr.TopicAuthorizationFailed, 1},
+		// Exactly the failing batch's three tries fail: a producer that
+		// went on after it would get the next batch through.
+		{"retriable, retries run out", kerr.NotLeaderForPartition, func(c *kfake.Cluster, part int32) *atomic.Int64 {
+			seen := faultFrom(c, part, 2, 3, kerr.NotLeaderForPartition)
+			return seen
+		}, 0, 0},
+		// Message 10 is refused whenever it is sent: its batch fails, then
+		// the messages of that batch go one by one, and 10 fails alone.
+		{"one message refused", kerr.InvalidRecord, func(c *kfake.Cluster, part int32) *atomic.Int64 {
+			return faultPoison(c, poison, kerr.InvalidRecord)
+		}, 10, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c, p, _ := start(t, 600) // about 4 messages per batch
 			key := []byte("key-1")
 			part, _ := sarama.NewMurmur2Partitioner(topic).Partition(msg(topic, key, 0), 4)
-			// Exactly the failing batch's tries fail: a producer that went on
-			// after it would get the next batch through.
-			seen := faultFrom(c, part, 2, tc.tries, tc.code)
+			seen := tc.fault(c, part)
 
 			var msgs []*sarama.ProducerMessage
 			for n := range 40 {
-				msgs = append(msgs, msg(topic, key, n), msg(other, key, n))
+				m := msg(topic, key, n)
+				if n == 10 {
+					m.Value = sarama.StringEncoder(fmt.Sprintf("%s|%d|%s", poison, n, strings.Repeat("v", 34)))
+				}
+				msgs = append(msgs, m, msg(other, key, n))
 			}
 			errs := errorsOf(t, p.SendMessages(msgs))
 
-			// The first batch went; the second failed with the broker's
-			// error after tc.tries requests; everything after it was not sent.
+			// A prefix went; then one batch (or message) failed with the
+			// broker's error; everything after it was not sent.
 			var sent, failed, notSent int
 			for _, m := range msgs {
 				err, bad := errs[m]
@@ -236,7 +276,7 @@ func TestFailStop(t *testing.T) {
 					}
 					notSent++
 				default:
-					if !errors.Is(err, tc.code) && !errors.Is(err, sarama.KError(tc.code.Code)) {
+					if !errors.Is(err, sarama.KError(tc.code.Code)) {
 						t.Errorf("error %v, want %v", err, tc.code)
 					}
 					if notSent > 0 {
@@ -248,8 +288,14 @@ func TestFailStop(t *testing.T) {
 			if sent == 0 || failed == 0 || notSent == 0 || sent+failed+notSent != 40 {
 				t.Fatalf("sent %d, failed %d, not sent %d; want each > 0, 40 in all", sent, failed, notSent)
 			}
-			if got := seen.Load(); got != 1+tc.tries {
-				t.Errorf("%d produce requests for the partition, want 1 + %d", got, tc.tries)
+			if tc.sent > 0 && (sent != tc.sent || failed != 1) {
+				t.Errorf("sent %d, failed %d; want %d sent and the refused message alone failed", sent, failed, tc.sent)
+			}
+			if tc.faulted > 0 && int(seen.Load()) != tc.faulted {
+				t.Errorf("%d requests faulted, want %d", seen.Load(), tc.faulted)
+			}
+			if tc.faulted == 0 && seen.Load() != 1+3 {
+				t.Errorf("%d produce requests for the partition, want 1 + 3", seen.Load())
 			}
 			if recs := read(t, c, topic, sent); len(recs) != sent {
 				t.Errorf("%d records in %s, want the %d acknowledged", len(recs), topic, sent)

@@ -2,6 +2,7 @@ package dispatch
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -721,13 +722,18 @@ func TestRoundMessagesBoundsRounds(t *testing.T) {
 		perKey    int // due messages per key
 		wantFirst int // messages of the first round
 		wantLater int // messages of the second round
+		limit     int // RoundMessages; 0: 20
 	}{
 		// BatchKeys 10 × limit 10 > 20: first round 10 keys × 2; the keys
 		// had more, so then 2 keys × 10.
-		{"one hot key", 1, 50, 2, 10},
-		{"many hot keys", 12, 30, 20, 20},
+		{"one hot key", 1, 50, 2, 10, 0},
+		{"many hot keys", 12, 30, 20, 20, 0},
 		// Keys with one message each: 10 keys × 1 per round.
-		{"own keys", 40, 1, 10, 10},
+		{"own keys", 40, 1, 10, 10, 0},
+		// A cap below BatchKeys and below the per-key limit still holds:
+		// 2 keys × 2 (two, so that a run shows), then 1 key × 5.
+		{"cap below both limits, own keys", 40, 1, 2, 2, 5},
+		{"cap below both limits, one hot key", 1, 30, 2, 5, 5},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t)
@@ -744,7 +750,8 @@ func TestRoundMessagesBoundsRounds(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			d, err := New(l, e.producer, nil, Config{BatchKeys: 10, RoundMessages: 20, PollInterval: 50 * time.Millisecond,
+			limit := cmp.Or(tc.limit, 20)
+			d, err := New(l, e.producer, nil, Config{BatchKeys: 10, RoundMessages: limit, PollInterval: 50 * time.Millisecond,
 				MaxBackoff: 200 * time.Millisecond, Targets: allowAll}, testLogger(t))
 			if err != nil {
 				t.Fatal(err)
@@ -756,8 +763,8 @@ func TestRoundMessagesBoundsRounds(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				if st.Published == 0 || st.Published > 20 {
-					t.Fatalf("round %d published %d, want 1..20", len(sent)+1, st.Published)
+				if st.Published == 0 || st.Published > limit {
+					t.Fatalf("round %d published %d, want 1..%d", len(sent)+1, st.Published, limit)
 				}
 				sent = append(sent, st.Published)
 				n += st.Published

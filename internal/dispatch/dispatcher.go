@@ -27,6 +27,8 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/deferq/scheduler/internal/batchproducer"
+
 	"github.com/deferq/scheduler/internal/backoff"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/keylock"
@@ -222,7 +224,8 @@ func (d *Dispatcher) sleep(ctx context.Context, until time.Time, stop <-chan str
 // its share (its run is longer), few keys with whole runs, so that one hot
 // key still moves PerKey messages per round; if not, many keys with short
 // runs, so that many keys with a message or two each still move BatchKeys
-// per round. Either way a round holds at most RoundMessages messages.
+// per round. Either way the main claim reads at most RoundMessages messages
+// (a rate-limited target's claims, one message per token, come on top).
 func (d *Dispatcher) claimSize() (keys, perKey int) {
 	keys, perKey = d.cfg.BatchKeys, d.locker.PerKey()
 	limit := d.cfg.RoundMessages
@@ -230,8 +233,12 @@ func (d *Dispatcher) claimSize() (keys, perKey int) {
 		return keys, perKey
 	}
 	if d.longRuns {
+		perKey = min(perKey, limit)
 		return max(1, min(keys, limit/perKey)), perKey
 	}
+	// At least two messages per key, so that a key filling its share shows
+	// a run, not a single message.
+	keys = min(keys, max(1, limit/2))
 	return keys, max(1, limit/keys)
 }
 
@@ -292,11 +299,12 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 				break
 			}
 			r := Record(m)
-			// The producer would refuse it too, but only after the records
-			// behind it in this batch were on their way.
-			if size := r.ByteSize(2); size > d.cfg.MaxMessageBytes {
+			// The producer would refuse it too, and not send what comes
+			// after it in its partition (other keys would back off); and
+			// when it holds its key, nothing after it may go anyway.
+			if !batchproducer.Fits(r, d.cfg.MaxMessageBytes) {
 				err := sarama.ConfigurationError(fmt.Sprintf(
-					"Attempt to produce message larger than configured Producer.MaxMessageBytes: %d > %d", size, d.cfg.MaxMessageBytes))
+					"Attempt to produce message larger than configured Producer.MaxMessageBytes: %d > %d", r.ByteSize(2), d.cfg.MaxMessageBytes))
 				_, reason := classify(err)
 				d.logger.Warn("parking message too large to publish", "id", m.ID, "target", m.Target, "reason", reason)
 				d.cfg.Metrics.PublishError(m.Target, publishErrorCode(err))

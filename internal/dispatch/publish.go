@@ -56,7 +56,7 @@ func ProducerConfig(base *sarama.Config) *sarama.Config {
 
 // MaxPublishDuration bounds how long one SendMessages call of the service's
 // producer can take with config c (from ProducerConfig): see
-// batchproducer.MaxDuration. With every network timeout T, this is 20T +
+// batchproducer.MaxDuration. With every network timeout T, this is 17T +
 // 0.3s. A lease must be longer, or a slow publish could overlap a second
 // holder's.
 func MaxPublishDuration(c *sarama.Config) time.Duration {
@@ -274,7 +274,11 @@ func classify(err error) (errorKind, string) {
 // a permanent error, or "retriable".
 func publishErrorCode(err error) string {
 	var cfgErr sarama.ConfigurationError
+	var encErr sarama.PacketEncodingError
 	switch {
+	case errors.As(err, &encErr):
+		// The client cannot encode it: it would fail the same way again.
+		return "invalid_record"
 	case errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"):
 		// sarama checks the size before sending and reports it this way.
 		return "too_large"
