@@ -1,12 +1,10 @@
 package deferral
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,24 +12,6 @@ import (
 
 	"github.com/deferq/scheduler/internal/pgtest"
 )
-
-// lockedBuffer is a bytes.Buffer safe for the ingester's goroutines.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *lockedBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *lockedBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
 
 // TestIngestLogsClaims checks that each session logs the partitions it
 // claims and releases, with its generation and member ID, and each claim its
@@ -48,7 +28,7 @@ func TestIngestLogsClaims(t *testing.T) {
 		t.Fatalf("consumer group: %v", err)
 	}
 	defer cg.Close()
-	var logs lockedBuffer
+	var logs testLog
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	in, err := NewIngester(cg, NewStore(db.Pool), IngestConfig{Topic: ingestTopic, Rules: ingestRules(), BatchSize: 10, BatchLinger: 10 * time.Millisecond}, logger)
 	if err != nil {

@@ -172,6 +172,12 @@ func (l *testLog) Write(p []byte) (int, error) {
 	return l.buf.Write(p)
 }
 
+func (l *testLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
 func newTestLogger(t *testing.T) *slog.Logger {
 	l := &testLog{}
 	t.Cleanup(func() {
