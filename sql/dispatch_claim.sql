@@ -35,8 +35,14 @@ WITH due AS MATERIALIZED (
     WHERE NOT throttled
       AND next_run_at <= now()
       AND (leased_until IS NULL OR leased_until <= now())
-      AND head_target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
-                                    WHERE c.paused OR c.rate_limit IS NOT NULL))
+      -- coalesce(..., false) filters exactly as the bare test would, but
+      -- hides it from the row estimate: with one target, the statistics
+      -- say every head goes to it, the planner takes "not one of the
+      -- throttled targets" to keep no row at all, and sorts every due
+      -- head for the LIMIT instead of walking deferred_key_due (seen: all
+      -- 20,000 due heads read per claim; see migration 0003).
+      AND coalesce(head_target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
+                                             WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
     ORDER BY next_run_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED

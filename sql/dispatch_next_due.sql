@@ -26,8 +26,9 @@ FROM (
      WHERE NOT k.throttled
        AND k.next_run_at < 'infinity'
        AND (k.leased_until IS NULL OR k.leased_until <= now())
-       AND k.head_target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
-                                       WHERE c.paused OR c.rate_limit IS NOT NULL))
+       -- coalesce: see dispatch_claim.sql.
+       AND coalesce(k.head_target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
+                                                WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
      ORDER BY k.next_run_at
      LIMIT 1)
     UNION ALL

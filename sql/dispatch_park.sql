@@ -3,7 +3,9 @@
 -- retry policy of its target, set at ingest): the triggers then make it the
 -- key's head, held, and the rest of the key waits for an operator. Otherwise
 -- the head moves past it and the rest of the key goes on.
+-- The id = ANY bound lets an index scan find the rows whatever the
+-- statistics say (see migration 0003).
 UPDATE deferred_message m
 SET state = 'parked', reason = p.reason
 FROM unnest($1::bigint[], $2::text[]) AS p (id, reason)
-WHERE m.id = p.id AND m.state = 'pending'
+WHERE m.id = ANY ($1::bigint[]) AND m.id = p.id AND m.state = 'pending'

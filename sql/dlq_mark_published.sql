@@ -6,8 +6,10 @@
 -- parked_at; its new stay gets a copy of its own (leaving the parking lot
 -- reset dlq_published_at and the lease, see deferred_message_touch). Returns
 -- the ids marked.
+-- The id = ANY bound lets an index scan find the rows whatever the
+-- statistics say (see migration 0003).
 UPDATE deferred_message m
 SET dlq_published_at = now(), dlq_leased_until = NULL
 FROM unnest($1::bigint[], $2::timestamptz[]) AS p (id, parked_at)
-WHERE m.id = p.id AND m.state = 'parked' AND m.parked_at = p.parked_at AND m.dlq_published_at IS NULL
+WHERE m.id = ANY ($1::bigint[]) AND m.id = p.id AND m.state = 'parked' AND m.parked_at = p.parked_at AND m.dlq_published_at IS NULL
 RETURNING m.id

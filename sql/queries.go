@@ -58,6 +58,8 @@ var (
 	DLQMarkPublished string
 	//go:embed dlq_back_off.sql
 	DLQBackOff string
+	//go:embed queue_analyze.sql
+	QueueAnalyze string
 	//go:embed history_prune.sql
 	HistoryPrune string
 )

@@ -187,9 +187,14 @@ func (rt *Runtime) loopTimeout() time.Duration {
 
 // Liveness timing: a process heartbeats every heartbeatEvery; one silent for
 // staleAfter is taken for dead and its dispatch loops are reaped.
+//
+// Every other beat also analyzes the queue tables if their statistics fell
+// far behind (keylock.AnalyzeIfStale), once they hold analyzeMinRows rows:
+// below that, even a plan that walks the table per key stays cheap.
 const (
 	heartbeatEvery = time.Second
 	staleAfter     = 5 * time.Second
+	analyzeMinRows = 1000
 )
 
 // Start registers this process as alive, starts River, reaps loops of dead
@@ -255,6 +260,13 @@ func (rt *Runtime) heartbeat(ctx context.Context) {
 		if beat%2 == 0 {
 			if err := rt.reap(ctx); err != nil && ctx.Err() == nil {
 				rt.logger.Warn("reaping loops of dead processes failed", "error", err)
+			}
+			analyzed, err := keylock.AnalyzeIfStale(ctx, rt.pool, analyzeMinRows)
+			switch {
+			case err != nil && ctx.Err() == nil:
+				rt.logger.Warn("checking the queue tables' statistics failed", "error", err)
+			case len(analyzed) > 0:
+				rt.logger.Info("analyzed queue tables whose statistics had fallen behind", "tables", analyzed)
 			}
 		}
 	}

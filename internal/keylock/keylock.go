@@ -338,6 +338,21 @@ func seconds(secs float64) time.Duration {
 // below it converts without overflow.
 const maxDurationSeconds = float64(math.MaxInt64 / int64(time.Second))
 
+// AnalyzeIfStale analyzes deferred_message and deferred_key when the
+// planner's estimate of their rows has fallen below half of what they hold,
+// and they hold more than minRows, and returns the tables it analyzed. A
+// queue table is typically analyzed just after it drained; when a burst then
+// fills it, plans made for an empty table walk the whole table per claimed
+// key (see migration 0003). Cheap when there is nothing to do: it reads two
+// rows of statistics.
+func AnalyzeIfStale(ctx context.Context, pool *pgxpool.Pool, minRows int64) ([]string, error) {
+	var analyzed []string
+	if err := pool.QueryRow(ctx, schedsql.QueueAnalyze, minRows).Scan(&analyzed); err != nil {
+		return nil, fmt.Errorf("analyze queue tables with stale statistics: %w", err)
+	}
+	return analyzed, nil
+}
+
 // SweepExpired clears leases that expired, returning how many. Claims do not
 // depend on it; it keeps leased_by truthful for operators.
 func SweepExpired(ctx context.Context, pool *pgxpool.Pool) (int64, error) {

@@ -1,0 +1,327 @@
+package keylock_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deferq/scheduler/internal/keylock"
+	"github.com/deferq/scheduler/internal/pgtest"
+	schedsql "github.com/deferq/scheduler/sql"
+)
+
+// A queue table's statistics are usually stale in the worst way: autovacuum
+// analyzes it while it is nearly empty (the queue has just drained), which
+// records a density of about zero rows per page, and then a burst of
+// deferrals grows it far past that before the next analyze. The planner then
+// takes every scan of deferred_key or deferred_message to return one row,
+// and prefers plans that walk a whole table, per statement or per claimed
+// key: seen at 23 s for one finalize of 500 keys among 100,000.
+// AnalyzeIfStale, which every process runs every two seconds, is the fix;
+// these tests build that state (rows inserted, deleted, ANALYZE, then rows
+// inserted without one) and check it.
+
+// After AnalyzeIfStale, each hot-path step reads a number of rows in
+// proportion to its batch, not to the table, as counted by
+// pg_stat_xact_user_tables within its transaction. Counting rows rather than
+// timing keeps the test independent of the machine. Without the analyze,
+// every case but the claim reads the whole table at least once.
+func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
+	const (
+		tableRows = 20_000
+		batch     = 20
+		// Rows each step may read per message of its batch: the message,
+		// its key, a few index probes and the head that follows.
+		perMessage = 8
+	)
+	type step struct {
+		name string
+		// keys: how many messages each business key gets ("" keys for
+		// unordered rows when 0).
+		perKey int
+		run    func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error
+	}
+	steps := []step{
+		{"finalize: published, own keys (head gone)", 1, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			return finalize(ctx, tx, ids, keys, nil)
+		}},
+		{"finalize: published, two per key (head moves)", 2, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			return finalize(ctx, tx, ids, keys, nil)
+		}},
+		{"finalize: parked, own keys (key held)", 1, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			return finalize(ctx, tx, nil, keys, ids)
+		}},
+		{"finalize: published, unordered", 0, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			return finalizeUnordered(ctx, tx, ids)
+		}},
+		{"operator: expedite by key, two per key", 2, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			_, err := tx.Exec(ctx, "UPDATE deferred_message SET next_run_at = now() - interval '1 minute' WHERE id = ANY ($1)", ids)
+			return err
+		}},
+		{"operator: cancel by id, own keys", 1, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			_, err := tx.Exec(ctx, "DELETE FROM deferred_message WHERE id = ANY ($1)", ids)
+			return err
+		}},
+	}
+	for _, s := range steps {
+		t.Run(s.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := t.Context()
+			db := pgtest.NewDB(t)
+			staleState(t, db.Pool, tableRows, s.perKey)
+			analyzed, err := keylock.AnalyzeIfStale(ctx, db.Pool, 1000)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(analyzed) != 2 {
+				t.Fatalf("AnalyzeIfStale analyzed %v in the stale state, want deferred_key and deferred_message", analyzed)
+			}
+
+			conn, err := db.Pool.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Release()
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+
+			// The claim itself, then the step on what it claimed: the
+			// first message of each claimed key, or each unordered head.
+			rows, err := tx.Query(ctx, schedsql.DispatchClaim, batch, time.Minute, 1, "stale-stats")
+			if err != nil {
+				t.Fatalf("claim: %v", err)
+			}
+			type claimed struct {
+				key *string
+				id  int64
+			}
+			got, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (claimed, error) {
+				var c claimed
+				var headID int64
+				var msgID *int64
+				vals, err := r.Values()
+				if err != nil {
+					return c, err
+				}
+				// business_key, head_id, id, ...
+				if vals[0] != nil {
+					k := vals[0].(string)
+					c.key = &k
+				}
+				headID = vals[1].(int64)
+				if vals[2] != nil {
+					id := vals[2].(int64)
+					msgID = &id
+				}
+				if msgID == nil {
+					return c, fmt.Errorf("claimed head %d came back without its message", headID)
+				}
+				c.id = *msgID
+				return c, nil
+			})
+			if err != nil {
+				t.Fatalf("claim: %v", err)
+			}
+			if len(got) != batch {
+				t.Fatalf("claimed %d heads, want %d", len(got), batch)
+			}
+			claimRead := readRows(t, tx)
+			var ids []int64
+			var keys []string
+			for _, c := range got {
+				ids = append(ids, c.id)
+				if c.key != nil {
+					keys = append(keys, *c.key)
+				}
+			}
+			if err := s.run(ctx, tx, ids, keys); err != nil {
+				t.Fatalf("%s: %v", s.name, err)
+			}
+			total := readRows(t, tx)
+			limit := int64(perMessage * batch)
+			for table, n := range claimRead {
+				if n > limit {
+					t.Errorf("claim read %d rows of %s for %d heads among %d rows (limit %d): a plan walks the table", n, table, batch, tableRows, limit)
+				}
+			}
+			for table, n := range total {
+				if step := n - claimRead[table]; step > limit {
+					t.Errorf("%s read %d rows of %s for %d messages among %d rows (limit %d): a plan walks the table",
+						s.name, step, table, batch, tableRows, limit)
+				}
+			}
+			if t.Failed() {
+				return
+			}
+			// And the heads are still right after the step.
+			assertHeadsMatch(t, tx)
+		})
+	}
+}
+
+// staleState leaves deferred_message and deferred_key as a drained and then
+// flooded queue leaves them: analyzed while empty over pages that held rows,
+// then n rows due now inserted (perKey messages per business key, or
+// unordered ones when perKey is 0) without an analyze since. Autovacuum is
+// off for both, so that it cannot analyze them behind the test's back, and
+// the inserting connection flushes its statistics before it returns, so
+// that pg_stat_user_tables counts the rows at once.
+func staleState(t *testing.T, pool *pgxpool.Pool, n, perKey int) {
+	t.Helper()
+	conn, err := pool.Acquire(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	insert := func(from, to int) {
+		key := fmt.Sprintf("'k-' || ((g - 1) / %d)", max(perKey, 1))
+		if perKey == 0 {
+			key = "NULL"
+		}
+		mustExec(t, conn, `
+INSERT INTO deferred_message (source_topic, source_partition, source_offset, business_key, target_topic,
+    next_run_at, attempt, error_class, key, value, header_keys, header_values)
+SELECT 'stale', 0, g, `+key+`, 'stale.retry', now() - interval '1 second', 0, 'Timeout',
+    convert_to('k-' || g, 'UTF8'), convert_to(repeat('x', 100), 'UTF8'), '{}', '{}'
+FROM generate_series($1::bigint, $2::bigint) AS g
+ORDER BY g`, from, to)
+	}
+	mustExec(t, conn, "ALTER TABLE deferred_message SET (autovacuum_enabled = false)")
+	mustExec(t, conn, "ALTER TABLE deferred_key SET (autovacuum_enabled = false)")
+	insert(1, 2_000)
+	mustExec(t, conn, "DELETE FROM deferred_message")
+	mustExec(t, conn, "ANALYZE deferred_message, deferred_key")
+	insert(1_000_001, 1_000_000+n)
+	// Flushed when this statement's result is sent.
+	mustExec(t, conn, "SELECT pg_stat_force_next_flush()")
+}
+
+// readRows returns the rows this transaction has read so far from
+// deferred_message and deferred_key, by sequential and index scans.
+func readRows(t *testing.T, tx pgx.Tx) map[string]int64 {
+	t.Helper()
+	rows, err := tx.Query(t.Context(), `SELECT relname, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+		FROM pg_stat_xact_user_tables WHERE relname IN ('deferred_message', 'deferred_key')`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int64{}
+	var name string
+	var n int64
+	if _, err := pgx.ForEachRow(rows, []any{&name, &n}, func() error { out[name] = n; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// finalize runs Locker.Finalize's statements for ordered keys: published
+// rows deleted, parked rows parked, the keys released.
+func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, parked []int64) error {
+	changed := append(append([]int64(nil), published...), parked...)
+	if _, err := tx.Exec(ctx, schedsql.DispatchLockMessages, changed); err != nil {
+		return fmt.Errorf("lock messages: %w", err)
+	}
+	if _, err := tx.Exec(ctx, schedsql.DispatchLockKeys, keys); err != nil {
+		return fmt.Errorf("lock keys: %w", err)
+	}
+	if len(published) > 0 {
+		if _, err := tx.Exec(ctx, schedsql.DispatchDelete, published); err != nil {
+			return fmt.Errorf("delete: %w", err)
+		}
+	}
+	if len(parked) > 0 {
+		reasons := make([]string, len(parked))
+		for i := range reasons {
+			reasons[i] = "exhausted"
+		}
+		if _, err := tx.Exec(ctx, schedsql.DispatchPark, parked, reasons); err != nil {
+			return fmt.Errorf("park: %w", err)
+		}
+	}
+	if _, err := tx.Exec(ctx, schedsql.DispatchRelease, keys, []int64{}, "stale-stats", []string{}, []int64{},
+		time.Second, time.Minute); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	return nil
+}
+
+// finalizeUnordered is finalize for unordered heads, all published.
+func finalizeUnordered(ctx context.Context, tx pgx.Tx, ids []int64) error {
+	if _, err := tx.Exec(ctx, schedsql.DispatchLockMessages, ids); err != nil {
+		return fmt.Errorf("lock messages: %w", err)
+	}
+	if _, err := tx.Exec(ctx, schedsql.DispatchDelete, ids); err != nil {
+		return fmt.Errorf("delete: %w", err)
+	}
+	if _, err := tx.Exec(ctx, schedsql.DispatchRelease, []string{}, ids, "stale-stats", []string{}, []int64{},
+		time.Second, time.Minute); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	return nil
+}
+
+// AnalyzeIfStale analyzes only when the estimate is far behind and the
+// tables are worth it, and once it has, not again until they outgrow it.
+func TestAnalyzeIfStale(t *testing.T) {
+	cases := []struct {
+		name    string
+		setup   func(t *testing.T, pool *pgxpool.Pool)
+		minRows int64
+		want    int // tables analyzed by the first call
+	}{
+		{"drained, analyzed, then flooded", func(t *testing.T, pool *pgxpool.Pool) { staleState(t, pool, 5_000, 1) }, 1000, 2},
+		{"flooded, but below the minimum", func(t *testing.T, pool *pgxpool.Pool) { staleState(t, pool, 5_000, 1) }, 10_000, 0},
+		{"never analyzed: the planner follows the size", func(t *testing.T, pool *pgxpool.Pool) {
+			conn, err := pool.Acquire(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Release()
+			mustExec(t, conn, `
+INSERT INTO deferred_message (source_topic, source_partition, source_offset, business_key, target_topic,
+    next_run_at, attempt, key, value, header_keys, header_values)
+SELECT 'fresh', 0, g, 'k-' || g, 'stale.retry', now(), 0, '\x00', '\x00', '{}', '{}'
+FROM generate_series(1, 5000) AS g`)
+			mustExec(t, conn, "SELECT pg_stat_force_next_flush()")
+		}, 1000, 0},
+		{"empty", func(t *testing.T, pool *pgxpool.Pool) {}, 0, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.NewDB(t)
+			c.setup(t, db.Pool)
+			got, err := keylock.AnalyzeIfStale(t.Context(), db.Pool, c.minRows)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != c.want {
+				t.Fatalf("analyzed %v, want %d tables", got, c.want)
+			}
+			if c.want == 0 {
+				return
+			}
+			var est float64
+			if err := db.Pool.QueryRow(t.Context(), "SELECT reltuples FROM pg_class WHERE relname = 'deferred_key'").Scan(&est); err != nil {
+				t.Fatal(err)
+			}
+			if est < 4_000 {
+				t.Errorf("deferred_key estimated at %v rows after the analyze, holds 5,000", est)
+			}
+			again, err := keylock.AnalyzeIfStale(t.Context(), db.Pool, c.minRows)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(again) != 0 {
+				t.Errorf("analyzed %v again with fresh statistics", again)
+			}
+		})
+	}
+}
