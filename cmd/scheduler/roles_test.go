@@ -195,6 +195,17 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	setupRoles(t, dbURL, admin, roles, "public")
 	ctx := context.Background()
 
+	// The one function the service calls that runs as the owner has its
+	// search_path pinned by grants.sql, as the trigger functions have.
+	var analyzeConfig []string
+	if err := admin.QueryRow(ctx, `SELECT coalesce(proconfig, '{}') FROM pg_proc
+		WHERE proname = 'deferred_queue_analyze' AND prosecdef`).Scan(&analyzeConfig); err != nil {
+		t.Fatalf("deferred_queue_analyze, SECURITY DEFINER: %v", err)
+	}
+	if !slices.Contains(analyzeConfig, "search_path=public, pg_temp") {
+		t.Errorf("deferred_queue_analyze settings %q lack search_path=public, pg_temp", analyzeConfig)
+	}
+
 	p := start(t, append(serviceEnv(roles.url(t, dbURL, roles.service), brokers, "roles"), "METRICS_INTERVAL=200ms"))
 	got := read(t, brokers, targetTopic)
 	prod := producer(t, brokers)

@@ -13,6 +13,9 @@
 --     the derived ones directly: the operator can expedite a message or
 --     pause a target, and the heads follow, but cannot UPDATE deferred_key
 --     itself;
+--   - deferred_queue_analyze, which the service calls to ANALYZE the queue
+--     tables when their statistics fall behind, runs as the owner too, with
+--     its search_path pinned the same way;
 --   - objects the owner had before roles.sql set its default privileges (a
 --     database migrated before the roles existed, then handed to the owner)
 --     get the same grants as new ones.
@@ -85,6 +88,13 @@ FROM pg_trigger t
 WHERE t.tgrelid IN (format('%I.deferred_message', :'schema')::regclass, format('%I.target_control', :'schema')::regclass)
   AND NOT t.tgisinternal
   AND t.tgtype & 2 = 0 -- not BEFORE
+\gexec
+
+-- deferred_queue_analyze (migration 0003) is SECURITY DEFINER already, since
+-- ANALYZE needs the owner; its search_path is pinned the same way.
+SELECT format('ALTER FUNCTION %s SET search_path = %I, pg_temp', p.oid::regprocedure, :'schema')
+FROM pg_proc p
+WHERE p.proname = 'deferred_queue_analyze' AND p.pronamespace = :'schema'::regnamespace
 \gexec
 
 COMMIT;
