@@ -78,11 +78,13 @@ BEGIN
 
     -- Unordered messages hold no key, so parking one simply removes its head.
     IF cardinality(unordered_ids) > 0 THEN
+        -- An array rather than NOT EXISTS: the anti-join was planned as a
+        -- walk of deferred_message per head.
         DELETE FROM deferred_key d
         WHERE d.business_key IS NULL AND d.head_id = ANY (unordered_ids)
-          AND NOT EXISTS (
-              SELECT 1 FROM deferred_message m
-              WHERE m.id = d.head_id AND m.state = 'pending' AND m.business_key IS NULL);
+          AND d.head_id <> ALL (ARRAY(
+              SELECT m.id FROM deferred_message m
+              WHERE m.id = ANY (unordered_ids) AND m.state = 'pending' AND m.business_key IS NULL));
 
         WITH cur AS (
             SELECT m.id, m.seq, m.next_run_at, m.target_topic,
