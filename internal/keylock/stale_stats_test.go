@@ -3,6 +3,7 @@ package keylock_test
 import (
 	"context"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -345,5 +346,42 @@ FROM generate_series(1, 5000) AS g`)
 				t.Errorf("analyzed %v again with fresh statistics", again)
 			}
 		})
+	}
+}
+
+// A table someone else is analyzing or vacuuming (here: holding the lock
+// they take) is skipped after lock_timeout rather than waited for, and the
+// other table is still analyzed; the next call picks the skipped one up.
+func TestAnalyzeIfStaleSkipsALockedTable(t *testing.T) {
+	ctx := t.Context()
+	db := pgtest.NewDB(t)
+	staleState(t, db.Pool, 5_000, 1)
+
+	holder, err := db.Pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(context.WithoutCancel(ctx))
+	mustExec(t, holder, "LOCK TABLE deferred_key IN SHARE UPDATE EXCLUSIVE MODE")
+
+	start := time.Now()
+	got, err := keylock.AnalyzeIfStale(ctx, db.Pool, 1000)
+	if err != nil {
+		t.Fatalf("with deferred_key locked: %v", err)
+	}
+	if !slices.Equal(got, []string{"deferred_message"}) {
+		t.Fatalf("analyzed %v with deferred_key locked, want [deferred_message]", got)
+	}
+	// lock_timeout is 200ms; a generous bound, only to catch waiting for
+	// the lock's holder.
+	if waited := time.Since(start); waited > 10*time.Second {
+		t.Errorf("AnalyzeIfStale took %v with deferred_key locked: it waited for the lock", waited)
+	}
+
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got, err = keylock.AnalyzeIfStale(ctx, db.Pool, 1000); err != nil || !slices.Equal(got, []string{"deferred_key"}) {
+		t.Fatalf("after the lock went: analyzed %v (%v), want [deferred_key]", got, err)
 	}
 }
