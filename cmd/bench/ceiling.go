@@ -168,9 +168,9 @@ func (b *bench) ceilingRun(ctx context.Context, db *database, store *deferral.St
 		}
 	}
 	// The service checks the queue tables' statistics every two seconds
-	// (keylock.AnalyzeIfStale, from its heartbeat); so does the ceiling, so
-	// that an autovacuum analyze in mid-run cannot leave it on plans the
-	// service would have corrected.
+	// (keylock.AnalyzeIfStale); so does the ceiling, so that an autovacuum
+	// analyze in mid-run cannot leave it on plans the service would have
+	// corrected.
 	stats := make(chan struct{})
 	go func() {
 		defer close(stats)

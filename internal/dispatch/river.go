@@ -187,13 +187,18 @@ func (rt *Runtime) loopTimeout() time.Duration {
 
 // Liveness timing: a process heartbeats every heartbeatEvery; one silent for
 // staleAfter is taken for dead and its dispatch loops are reaped.
-//
-// Every other beat also analyzes the queue tables if their statistics fell
-// far behind (keylock.AnalyzeIfStale), once they hold analyzeMinRows rows:
-// below that, even a plan that walks the table per key stays cheap.
 const (
 	heartbeatEvery = time.Second
 	staleAfter     = 5 * time.Second
+)
+
+// Every analyzeEvery each process analyzes the queue tables if their
+// statistics fell far behind (keylock.AnalyzeIfStale), once they hold
+// analyzeMinRows rows: below that, even a plan that walks the table per key
+// stays cheap. Not from the heartbeat: an ANALYZE of a large queue can take
+// seconds, and a late heartbeat gets a live process's loops reaped.
+const (
+	analyzeEvery   = 2 * time.Second
 	analyzeMinRows = 1000
 )
 
@@ -226,12 +231,50 @@ func (rt *Runtime) Start(ctx context.Context) error {
 		newDeadLetters(rt.pool, rt.producer, rt.cfg.Dispatch.Metrics, rt.cfg.Lease, rt.logger.With("component", "dlq")).
 			run(lctx, rt.dlqWake)
 	}()
+	analyzeDone := make(chan struct{})
+	go func() {
+		defer close(analyzeDone)
+		rt.analyzeStale(lctx)
+	}()
 	go func() {
 		rt.heartbeat(lctx)
 		<-dlqDone
+		<-analyzeDone
 		close(rt.livenessDone)
 	}()
 	return nil
+}
+
+// analyzeStale checks the queue tables' statistics every analyzeEvery until
+// ctx ends. A failure is logged once until a check works again: the
+// heartbeat already reports a database that does not answer.
+func (rt *Runtime) analyzeStale(ctx context.Context) {
+	t := time.NewTicker(analyzeEvery)
+	defer t.Stop()
+	failing := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		analyzed, err := keylock.AnalyzeIfStale(ctx, rt.pool, analyzeMinRows)
+		switch {
+		case err != nil:
+			if !failing && ctx.Err() == nil {
+				rt.logger.Warn("checking the queue tables' statistics failed", "error", err)
+			}
+			failing = true
+		default:
+			if failing {
+				rt.logger.Info("checking the queue tables' statistics works again")
+			}
+			failing = false
+			if len(analyzed) > 0 {
+				rt.logger.Info("analyzed queue tables whose statistics had fallen behind", "tables", analyzed)
+			}
+		}
+	}
 }
 
 // parked wakes the dead-letter publisher.
@@ -260,13 +303,6 @@ func (rt *Runtime) heartbeat(ctx context.Context) {
 		if beat%2 == 0 {
 			if err := rt.reap(ctx); err != nil && ctx.Err() == nil {
 				rt.logger.Warn("reaping loops of dead processes failed", "error", err)
-			}
-			analyzed, err := keylock.AnalyzeIfStale(ctx, rt.pool, analyzeMinRows)
-			switch {
-			case err != nil && ctx.Err() == nil:
-				rt.logger.Warn("checking the queue tables' statistics failed", "error", err)
-			case len(analyzed) > 0:
-				rt.logger.Info("analyzed queue tables whose statistics had fallen behind", "tables", analyzed)
 			}
 		}
 	}
