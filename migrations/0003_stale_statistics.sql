@@ -57,7 +57,7 @@ BEGIN
             ) m ON true
         ), gone AS (
             DELETE FROM deferred_key d
-            WHERE d.business_key = ANY (ARRAY(SELECT h.business_key FROM heads h WHERE h.id IS NULL))
+            WHERE d.business_key = ANY (ARRAY(SELECT g.business_key FROM heads g WHERE g.id IS NULL))
         ), moved AS (
             UPDATE deferred_key d
             SET head_id = h.id, head_seq = h.seq, next_run_at = h.next_run_at, head_target = h.target_topic,
@@ -66,7 +66,7 @@ BEGIN
                 leased_until = CASE WHEN d.held AND NOT h.held AND d.leased_by IS NULL THEN NULL
                                     ELSE d.leased_until END
             FROM heads h
-            WHERE d.business_key = ANY (ARRAY(SELECT h.business_key FROM heads h WHERE h.id IS NOT NULL))
+            WHERE d.business_key = ANY (ARRAY(SELECT g.business_key FROM heads g WHERE g.id IS NOT NULL))
               AND d.business_key = h.business_key AND h.id IS NOT NULL
               AND (d.head_id, d.head_seq, d.next_run_at, d.head_target, d.held, d.throttled)
                   IS DISTINCT FROM (h.id, h.seq, h.next_run_at, h.target_topic, h.held, h.throttled)

@@ -26,14 +26,6 @@ import (
 // these tests build that state (rows inserted, deleted, ANALYZE, then rows
 // inserted without one) and check it.
 
-// Each hot-path step runs twice on that state, each time in a transaction
-// that is rolled back, counting the rows it reads in
-// pg_stat_xact_user_tables (counting rows rather than timing keeps the test
-// independent of the machine). With the statistics stale, no statement may
-// read a table once per message: migration 0003 bounds them by the batch's
-// keys or ids, though a statement may still walk a table once. After
-// AnalyzeIfStale, each step reads in proportion to its batch, not to the
-// table.
 // step is one hot-path step of the stale-statistics test.
 type step struct {
 	name string
@@ -43,6 +35,14 @@ type step struct {
 	run    func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error
 }
 
+// Each hot-path step runs twice on that state, each time in a transaction
+// that is rolled back, counting the rows it reads in
+// pg_stat_xact_user_tables (counting rows rather than timing keeps the test
+// independent of the machine). With the statistics stale, no statement may
+// read a table once per message: migration 0003 bounds them by the batch's
+// keys or ids, though a statement may still walk a table once. After
+// AnalyzeIfStale, each step reads in proportion to its batch, not to the
+// table.
 func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 	const (
 		tableRows = 20_000
@@ -64,7 +64,7 @@ func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 		{"finalize: published, unordered", 0, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
 			return finalizeUnordered(ctx, tx, ids)
 		}},
-		{"operator: expedite by key, two per key", 2, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+		{"operator: expedite by id, two per key", 2, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
 			_, err := tx.Exec(ctx, "UPDATE deferred_message SET next_run_at = now() - interval '1 minute' WHERE id = ANY ($1)", ids)
 			return err
 		}},
@@ -245,7 +245,9 @@ func readRows(t *testing.T, tx pgx.Tx) map[string]int64 {
 }
 
 // finalize runs Locker.Finalize's statements for ordered keys: published
-// rows deleted, parked rows parked, the keys released.
+// rows deleted, parked rows parked, the keys released. A copy of Finalize's
+// batch rather than a call to it: the rows read are counted per transaction,
+// and Finalize runs its own.
 func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, parked []int64) error {
 	changed := append(append([]int64(nil), published...), parked...)
 	if _, err := tx.Exec(ctx, schedsql.DispatchLockMessages, changed); err != nil {
