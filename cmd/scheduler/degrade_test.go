@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -219,21 +220,27 @@ func waitUntil(t *testing.T, within time.Duration, what string, cond func() (boo
 	}
 }
 
-// While the broker is unreachable, dispatch backs off (a bounded number of
-// publish attempts, not a spin), no lease is taken for longer than
-// LEASE_DURATION, and /readyz fails naming kafka. Once it is back, the
-// messages that fell due meanwhile go out, ingest resumes, nothing is lost.
-func TestDegradeBrokerDown(t *testing.T) {
-	// kfake advertises the address of its listener in metadata; a gated
-	// listener is that address, so every client connection, the
-	// scheduler's and the test's, goes through the gate.
+// gatedBroker starts a kfake broker behind a gate, with the defer and target
+// topics. kfake advertises the address of its listener in metadata; a gated
+// listener is that address, so every client connection, the scheduler's and
+// the test's, goes through the gate.
+func gatedBroker(t *testing.T) (string, *tcpproxy.Gate) {
+	t.Helper()
 	gate := &tcpproxy.Gate{}
 	kc, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(4, deferTopic, targetTopic), kfake.ListenFn(gate.Listen))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(kc.Close)
-	brokers := kc.ListenAddrs()[0]
+	return kc.ListenAddrs()[0], gate
+}
+
+// While the broker is unreachable, dispatch backs off (a bounded number of
+// publish attempts, not a spin), no lease is taken for longer than
+// LEASE_DURATION, and /readyz fails naming kafka. Once it is back, the
+// messages that fell due meanwhile go out, ingest resumes, nothing is lost.
+func TestDegradeBrokerDown(t *testing.T) {
+	brokers, gate := gatedBroker(t)
 	db := pgtest.NewDB(t)
 	ctx := t.Context()
 	p := start(t, serviceEnv(db.URL, brokers, "e2e-broker-down"))
@@ -309,6 +316,52 @@ func TestDegradeBrokerDown(t *testing.T) {
 		t.Errorf("%d duplicate deliveries, more than one per key (%d)", d, keys)
 	}
 	p.stop()
+}
+
+// A broker that stops answering (a hung process, a network that drops
+// packets) must not hold a stopping scheduler past SHUTDOWN_TIMEOUT, after
+// which Kubernetes kills it anyway: the consumer group's last offset commit
+// and its leave request each wait for the consumer's read timeout (25 s).
+// Nothing is lost by not waiting: the rows stored before the stop are
+// delivered by the next process.
+func TestShutdownWithinTimeoutWhenBrokerStalls(t *testing.T) {
+	brokers, gate := gatedBroker(t)
+	db := pgtest.NewDB(t)
+	const shutdown = 3 * time.Second
+	env := append(serviceEnv(db.URL, brokers, "e2e-broker-stall"), "SHUTDOWN_TIMEOUT="+shutdown.String())
+	p := start(t, env)
+	prod := producer(t, brokers)
+	// Due once the next process runs: stored by this one, sent by that one.
+	due := sendBatch(t, prod, "stall", 20, 5, "6s")
+	waitRows(t, db.Pool, 10*time.Second, "SELECT count(*) FROM deferred_message WHERE state = 'pending'", len(due))
+
+	gate.Stall()
+	began := time.Now()
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(shutdown + 30*time.Second):
+		t.Fatalf("scheduler still running %v after SIGTERM with SHUTDOWN_TIMEOUT=%v:\n%s", time.Since(began), shutdown, p.logs())
+	}
+	took := time.Since(began)
+	t.Logf("stopped %v after SIGTERM, with the broker stalled and SHUTDOWN_TIMEOUT=%v", took.Round(time.Millisecond), shutdown)
+	// SHUTDOWN_TIMEOUT, one second for the group (minGroupClose), and
+	// slack for closing the rest on a busy machine.
+	if limit := shutdown + 3*time.Second; took > limit {
+		t.Errorf("stopped %v after SIGTERM, more than %v:\n%s", took, limit, p.logs())
+	}
+	if code := p.cmd.ProcessState.ExitCode(); code != 0 {
+		t.Errorf("exit code %d, want 0:\n%s", code, p.logs())
+	}
+	if logs := p.logs(); !strings.Contains(logs, "consumer group did not close within SHUTDOWN_TIMEOUT") {
+		t.Errorf("no word of the consumer group left behind in the logs:\n%s", logs)
+	}
+
+	gate.Restore()
+	out := read(t, brokers, targetTopic)
+	next := start(t, env)
+	out.until(t, 60*time.Second, "the records stored before the stop", deliveredAll(due))
+	next.stop()
 }
 
 // A record the database refuses (here a trigger raises for it) neither

@@ -54,6 +54,9 @@ type service struct {
 	connected atomic.Bool
 	// kafkaAddrs names the brokers for readiness while connecting.
 	kafkaAddrs string
+	// stopBy is when a graceful stop must be over (SHUTDOWN_TIMEOUT after
+	// it began); zero until run begins one.
+	stopBy time.Time
 }
 
 // newService connects to everything and checks the schema. With migrate set
@@ -257,6 +260,7 @@ func (s *service) run(ctx context.Context) error {
 	stopIngest()
 	stopCtx, stopCancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.ShutdownTimeout)
 	defer stopCancel()
+	s.stopBy, _ = stopCtx.Deadline()
 	// Ingest and dispatch stop side by side, each within SHUTDOWN_TIMEOUT:
 	// ingest can be stuck in a consumer-group join for up to its read
 	// timeout (25 s or more, see deferral.ConsumerConfig), which must not
@@ -298,9 +302,7 @@ func (s *service) close() {
 		s.http.Close()
 	}
 	if s.group != nil {
-		if err := s.group.Close(); err != nil {
-			s.logger.Warn("close consumer group", "error", err)
-		}
+		s.closeGroup()
 	}
 	if s.producer != nil {
 		if err := s.producer.Close(); err != nil {
@@ -311,6 +313,37 @@ func (s *service) close() {
 		s.pool.Close()
 	}
 }
+
+// closeGroup leaves the consumer group, waiting at most for what is left of
+// SHUTDOWN_TIMEOUT (at least minGroupClose). sarama's Close waits for
+// Consume to return, then asks the coordinator to let the member go: with a
+// broker that does not answer, each can take the consumer's read timeout
+// (25 s or more, see deferral.ConsumerConfig). Not waiting loses nothing:
+// every batch's next offset is stored with its rows and ingest resumes from
+// there, and the broker drops a member that never left after its session
+// timeout, when the group rebalances without it.
+func (s *service) closeGroup() {
+	budget := s.cfg.ShutdownTimeout
+	if !s.stopBy.IsZero() {
+		budget = time.Until(s.stopBy)
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- s.group.Close() }()
+	timer := time.NewTimer(max(budget, minGroupClose))
+	defer timer.Stop()
+	select {
+	case err := <-closed:
+		if err != nil {
+			s.logger.Warn("close consumer group", "error", err)
+		}
+	case <-timer.C:
+		s.logger.Warn("consumer group did not close within SHUTDOWN_TIMEOUT; exiting without leaving it: the broker drops the member after its session timeout, and ingest resumes from the offsets stored in the database")
+	}
+}
+
+// minGroupClose is how long closeGroup waits when SHUTDOWN_TIMEOUT is
+// already spent: enough to leave the group cleanly when the broker answers.
+const minGroupClose = time.Second
 
 func (s *service) routes() http.Handler {
 	mux := http.NewServeMux()

@@ -2,7 +2,9 @@
 // scheduler degrades when Postgres or Kafka goes away. A Gate tracks the
 // connections made through it: Cut closes them all and turns new ones away
 // (accepted, then closed at once, as a server that is going down does) until
-// Restore. A Gate wraps a listener (for servers that take a listen function,
+// Restore. Stall keeps them open but lets nothing through, as a server that
+// hangs or a network that drops packets does: a client waits for its own
+// timeouts. A Gate wraps a listener (for servers that take a listen function,
 // like kfake, which then advertise the gated address themselves) or forwards
 // to an address (Proxy, for servers that cannot be given a listener, like
 // Postgres).
@@ -24,10 +26,39 @@ type Gate struct {
 	cut   bool
 	conns map[net.Conn]struct{}
 	cuts  int
+	// stalled is closed while the gate lets data through; while it is
+	// stalled, it is a channel that Restore closes.
+	stalled chan struct{}
+}
+
+// Stall stops the data of every connection made through the gate, those
+// open and those to come, without closing any, until Restore: what was read
+// from one side is held back, not delivered.
+func (g *Gate) Stall() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.stalled == nil {
+		g.stalled = make(chan struct{})
+	}
+}
+
+// wait returns once the gate is not stalled, or when done is closed.
+func (g *Gate) wait(done <-chan struct{}) {
+	g.mu.Lock()
+	ch := g.stalled
+	g.mu.Unlock()
+	if ch == nil {
+		return
+	}
+	select {
+	case <-ch:
+	case <-done:
+	}
 }
 
 // Cut closes every connection made through the gate and makes new ones close
-// as soon as they are accepted, until Restore.
+// as soon as they are accepted, until Restore. It ends a stall: what was
+// held back goes to connections that are closed.
 func (g *Gate) Cut() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
@@ -37,13 +68,23 @@ func (g *Gate) Cut() {
 		c.Close()
 	}
 	clear(g.conns)
+	g.unstall()
 }
 
-// Restore lets connections through again.
+// unstall lets held-back data go; g.mu must be held.
+func (g *Gate) unstall() {
+	if g.stalled != nil {
+		close(g.stalled)
+		g.stalled = nil
+	}
+}
+
+// Restore lets connections and their data through again.
 func (g *Gate) Restore() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	g.cut = false
+	g.unstall()
 }
 
 // admit tracks cs and reports true, or closes them and reports false when the
@@ -99,19 +140,32 @@ func (l *listener) Accept() (net.Conn, error) {
 			return nil, err
 		}
 		if l.g.admit(c) {
-			return &conn{Conn: c, g: l.g}, nil
+			return &conn{Conn: c, g: l.g, closed: make(chan struct{})}, nil
 		}
 	}
 }
 
 type conn struct {
 	net.Conn
-	g    *Gate
-	once sync.Once
+	g      *Gate
+	once   sync.Once
+	closed chan struct{}
+}
+
+// Read holds back what it read while the gate is stalled: the server behind
+// the listener sees nothing of what its clients send, and so answers
+// nothing.
+func (c *conn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	c.g.wait(c.closed)
+	return n, err
 }
 
 func (c *conn) Close() error {
-	c.once.Do(func() { c.g.forget(c.Conn) })
+	c.once.Do(func() {
+		c.g.forget(c.Conn)
+		close(c.closed)
+	})
 	return c.Conn.Close()
 }
 
@@ -179,8 +233,9 @@ func (p *Proxy) forward(in net.Conn) {
 	defer p.Gate.forget(out)
 	defer out.Close()
 	done := make(chan struct{}, 2)
+	ended := make(chan struct{})
 	copyHalf := func(dst, src net.Conn) {
-		io.Copy(dst, src)
+		io.Copy(dst, &stallReader{src: src, g: p.Gate, done: ended})
 		// Either side ending ends both: half-open connections would keep a
 		// cut client waiting for a read timeout.
 		dst.Close()
@@ -190,5 +245,20 @@ func (p *Proxy) forward(in net.Conn) {
 	go copyHalf(out, in)
 	go copyHalf(in, out)
 	<-done
+	close(ended)
 	<-done
+}
+
+// stallReader holds back what it read from src while its gate is stalled,
+// until done is closed (the other direction of the connection ended).
+type stallReader struct {
+	src  net.Conn
+	g    *Gate
+	done <-chan struct{}
+}
+
+func (r *stallReader) Read(b []byte) (int, error) {
+	n, err := r.src.Read(b)
+	r.g.wait(r.done)
+	return n, err
 }
