@@ -52,7 +52,8 @@ func TestSmokeRun(t *testing.T) {
 		t.Errorf("%v messages out of per-key order", vals["out_of_order"])
 	}
 	for _, k := range []string{"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s",
-		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb"} {
+		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb",
+		"e2e_cpu_us_per_msg", "e2e_svc_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
 		}
@@ -60,7 +61,7 @@ func TestSmokeRun(t *testing.T) {
 	if vals["backlog_rows"] != float64(cfg.Backlog) {
 		t.Errorf("backlog_rows = %v, want %d", vals["backlog_rows"], cfg.Backlog)
 	}
-	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "machine:", "database: PostgreSQL"} {
+	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE", "machine:", "speed:", "database: PostgreSQL"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
 		}

@@ -13,7 +13,10 @@
 //   - River alone, one job per message, as a user would build it instead;
 //   - the "1,000 messages/s" figure often quoted for database-backed queues.
 //
-// It prints a table for people and, as its last line, one line starting with
+// It also measures the machine's speed at its start and its end (cpuSpeed),
+// since runs on a shared machine compare only at like speeds, and the CPU
+// per message of the end-to-end phase, against what the throughput target
+// leaves. It prints a table for people and, as its last line, one line starting with
 // "RESULT " of key=value pairs for machines. `make bench` runs it;
 // BENCH_QUICK=1 makes a smaller run (under three minutes on two cores),
 // BENCH_SMOKE=1 a tiny one that only checks the program works (the test runs
@@ -67,6 +70,8 @@ type config struct {
 	LateLead time.Duration
 	// Partitions of every topic.
 	Partitions int32
+	// SpeedProbe is how long cpuSpeed runs at the start and at the end.
+	SpeedProbe time.Duration
 	// DatabaseURL is a server to create the bench's databases on; "" starts a
 	// throwaway cluster.
 	DatabaseURL string
@@ -86,12 +91,15 @@ type config struct {
 // modes are the run sizes. Full is what docs/benchmarks.md records.
 var modes = map[string]config{
 	"full": {Mode: "full", N: 100_000, Warmup: 2_000, Backlog: 1_000_000,
-		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Partitions: 4},
+		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Partitions: 4,
+		SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
-		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Partitions: 4},
+		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Partitions: 4,
+		SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
-		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Partitions: 4},
+		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Partitions: 4,
+		SpeedProbe: 50 * time.Millisecond},
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when

@@ -65,12 +65,15 @@ func (b *bench) profile(name string) (func(), error) {
 
 // results is everything a run measured.
 type results struct {
-	cfg       config
-	machine   []string
-	scenarios []scenario // own/0 (with lateness), hot/0, single/0, own/backlog
-	ceiling   ceilingResult
-	broker    brokerResult
-	river     riverResult
+	cfg     config
+	machine []string
+	// speedStart and speedEnd are cpuSpeed at the start and the end of the
+	// run, in million integers sorted per second.
+	speedStart, speedEnd float64
+	scenarios            []scenario // own/0 (with lateness), hot/0, single/0, own/backlog
+	ceiling              ceilingResult
+	broker               brokerResult
+	river                riverResult
 }
 
 // run performs a whole benchmark and writes the report to out, progress to
@@ -80,6 +83,7 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	res := &results{cfg: cfg}
 	b.say("mode %s: %d messages per phase, backlog %d rows, lateness %d msgs/s for %v", cfg.Mode, cfg.N, cfg.Backlog, cfg.LateRate, cfg.LateFor)
 	loadStart := loadAverage()
+	res.speedStart = cpuSpeed(cfg.SpeedProbe)
 
 	b.bin = cfg.SchedulerBin
 	if b.bin == "" {
@@ -149,13 +153,14 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	}
 	b.say("  %.0f/s", res.river.e2e.perSecond())
 
-	res.machine = machine(pgInfo, loadStart, loadAverage())
+	res.speedEnd = cpuSpeed(cfg.SpeedProbe)
+	res.machine = machine(pgInfo, loadStart, loadAverage(), res.speedStart, res.speedEnd)
 	res.write(out)
 	return nil
 }
 
 // machine describes where the run happened.
-func machine(pgInfo, loadStart, loadEnd string) []string {
+func machine(pgInfo, loadStart, loadEnd string, speedStart, speedEnd float64) []string {
 	model := "unknown CPU"
 	if f, err := os.Open("/proc/cpuinfo"); err == nil {
 		sc := bufio.NewScanner(f)
@@ -180,6 +185,7 @@ func machine(pgInfo, loadStart, loadEnd string) []string {
 	return []string{
 		fmt.Sprintf("machine:  %d cores, %s%s, %s/%s, %s", runtime.NumCPU(), model, mem, runtime.GOOS, runtime.GOARCH, runtime.Version()),
 		"load:     1-minute load average " + loadStart + " at start, " + loadEnd + " at end (other work on the machine skews every number)",
+		fmt.Sprintf("speed:    one core sorts %.1f M integers/s at start, %.1f at end (cmd/bench/speed.go): compare runs only at like speeds", speedStart, speedEnd),
 		"database: " + pgInfo,
 		"broker:   kfake, in-process in this bench (it shares the CPUs with everything else); one broker, fresh per contender",
 	}
@@ -295,6 +301,13 @@ func (r *results) summary() *summary {
 	s.set("e2e_vs_river", ratio(own.e2e.perSecond(), r.river.e2e.perSecond()))
 	s.set("hotkey_vs_own", ratio(hot.e2e.perSecond(), own.e2e.perSecond()))
 	s.set("backlog1m_vs_empty_dispatch", ratio(backlog.dispatch.perSecond(), own.dispatch.perSecond()))
+	cpu := own.e2e.cpu
+	perMsg := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(max(own.e2e.n, 1)) }
+	s.set("e2e_cpu_us_per_msg", perMsg(cpu.service+cpu.postgres+cpu.bench))
+	s.set("e2e_pg_cpu_us_per_msg", perMsg(cpu.postgres))
+	s.set("e2e_svc_cpu_us_per_msg", perMsg(cpu.service))
+	s.set("cpu_speed_start", r.speedStart)
+	s.set("cpu_speed_end", r.speedEnd)
 	s.set("messages_per_phase", float64(r.cfg.N))
 	s.set("delivered", float64(delivered))
 	s.set("expected", float64(expected))
@@ -310,7 +323,7 @@ func (s *summary) resultLine() string {
 	for _, k := range s.keys {
 		v := s.vals[k]
 		prec := 0
-		if strings.HasSuffix(k, "_ms") || strings.HasSuffix(k, "_mb") {
+		if strings.HasSuffix(k, "_ms") || strings.HasSuffix(k, "_mb") || strings.HasPrefix(k, "cpu_speed_") {
 			prec = 1
 		} else if strings.Contains(k, "_vs_") {
 			prec = 3
@@ -410,6 +423,15 @@ func (r *results) write(w io.Writer) {
 		">= 0.9", v["backlog1m_vs_empty_dispatch"] >= 0.9)
 	target("scheduler peak RSS", fmt.Sprintf("%.1f MB", v["rss_mb"]), "<= 150 MB", v["rss_mb"] <= 150)
 	tw.Flush()
+
+	// What the throughput target asks of the CPU, in the units the
+	// THROUGHPUT table measures: the whole machine's CPU per message.
+	cores := float64(runtime.NumCPU())
+	fmt.Fprintf(w, "\nCPU PER MESSAGE, end to end, own keys: %.0f µs (service %.0f, Postgres %.0f, this process with kfake and the\n",
+		v["e2e_cpu_us_per_msg"], v["e2e_svc_cpu_us_per_msg"], v["e2e_pg_cpu_us_per_msg"])
+	fmt.Fprintf(w, "load generators %.0f), %.2f of %d cores busy; %d cores at 20,000 msgs/s leave %.0f µs per message.\n",
+		v["e2e_cpu_us_per_msg"]-v["e2e_svc_cpu_us_per_msg"]-v["e2e_pg_cpu_us_per_msg"],
+		v["e2e_cpu_us_per_msg"]*v["e2e_msgs_per_s"]/1e6, runtime.NumCPU(), runtime.NumCPU(), cores*1e6/20_000)
 
 	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",
 		group(v["delivered"]), group(v["expected"]), group(v["out_of_order"]), group(v["duplicates"]))
