@@ -710,3 +710,34 @@ func TestStoreOffsets(t *testing.T) {
 		t.Fatalf("Offsets of another topic = %v, %v; want none", other, err)
 	}
 }
+
+// BenchmarkStoreInsert stores batches of 1,000 typical first deferrals, as
+// ingest does. Its time is mostly Postgres's; its allocations per batch
+// (-benchmem) are the service's own cost of encoding the batch, and do not
+// depend on the machine.
+func BenchmarkStoreInsert(b *testing.B) {
+	db := pgtest.NewDB(b)
+	store := NewStore(db.Pool)
+	rules := testRules()
+	entries := make([]Entry, 1000)
+	for i := range entries {
+		rec := benchRecord()
+		rec.Key = fmt.Appendf(nil, "order-%d", i)
+		sc, err := Parse(rec, rules, testNow)
+		if err != nil {
+			b.Fatal(err)
+		}
+		entries[i] = Entry{Record: rec, Schedule: sc}
+	}
+	var offset int64
+	b.ReportAllocs()
+	for b.Loop() {
+		for i := range entries {
+			entries[i].Offset = offset
+			offset++
+		}
+		if _, err := store.Insert(b.Context(), "scheduler.defer", 0, entries); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
