@@ -346,8 +346,9 @@ func TestShutdownWithinTimeoutWhenBrokerStalls(t *testing.T) {
 	took := time.Since(began)
 	t.Logf("stopped %v after SIGTERM, with the broker stalled and SHUTDOWN_TIMEOUT=%v", took.Round(time.Millisecond), shutdown)
 	// SHUTDOWN_TIMEOUT, one second for the group (minGroupClose), and
-	// slack for closing the rest on a busy machine.
-	if limit := shutdown + 3*time.Second; took > limit {
+	// slack for closing the rest on a busy machine; waiting for the group
+	// instead takes the consumer's read timeout (25 s) at least once.
+	if limit := shutdown + 5*time.Second; took > limit {
 		t.Errorf("stopped %v after SIGTERM, more than %v:\n%s", took, limit, p.logs())
 	}
 	if code := p.cmd.ProcessState.ExitCode(); code != 0 {
