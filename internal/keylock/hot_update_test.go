@@ -1,0 +1,71 @@
+package keylock_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+// A claim leases every head it takes, most of a page of deferred_key at
+// once. The lease columns are not indexed, so each lease is a HOT update
+// (no new index entries, the old version pruned in place) when the new
+// version fits on its page: migration 0004's fillfactor makes room for all
+// of them. At the previous fillfactor (70) about 42% of a claim's leases
+// were HOT.
+func TestClaimUpdatesAreHOT(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One connection: the claims' statistics are flushed from it below.
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+
+	const keys = 2000
+	mustExec(t, pool, `
+INSERT INTO deferred_message (source_topic, source_partition, source_offset, business_key, target_topic,
+    next_run_at, key, value, header_keys, header_values)
+SELECT 'hot', 0, g, 'order-' || g, 'orders.retry', now(), '\x00', '\x00', '{}', '{}'
+FROM generate_series(1, $1::int) AS g`, keys)
+	updates := func() (all, hot int64) {
+		t.Helper()
+		mustExec(t, pool, "SELECT pg_stat_force_next_flush()")
+		if err := pool.QueryRow(ctx, `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables
+			WHERE relname = 'deferred_key'`).Scan(&all, &hot); err != nil {
+			t.Fatal(err)
+		}
+		return all, hot
+	}
+	all0, hot0 := updates()
+
+	l := newLocker(t, pool, "hot", time.Minute, 1)
+	claimed := 0
+	for claimed < keys {
+		cs, err := l.Claim(ctx, 500)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(cs) == 0 {
+			t.Fatalf("claimed %d of %d due keys, then none", claimed, keys)
+		}
+		claimed += len(cs)
+	}
+	all1, hot1 := updates()
+	all, hot := all1-all0, hot1-hot0
+	t.Logf("%d claimed keys: %d updates of deferred_key, %d HOT", claimed, all, hot)
+	if all < keys {
+		t.Fatalf("%d updates of deferred_key for %d claimed keys: the statistics were not flushed", all, keys)
+	}
+	if share := float64(hot) / float64(all); share < 0.9 {
+		t.Errorf("%.0f%% of the claims' updates were HOT, want at least 90%%", 100*share)
+	}
+}
