@@ -8,8 +8,8 @@
 -- about four in ten of its rows' new versions: a claim of 500 own-key heads
 -- made 42% of its updates HOT, and each of the others added an entry to
 -- deferred_key_business_key, deferred_key_head_id and deferred_key_due.
--- At 50 the new version of every row fits: 94% HOT, and claim and finalize
--- together took 8-10% less Postgres CPU (docs/benchmarks.md).
+-- At 50 the new version of every row fits: 94% HOT, and claiming and
+-- deleting took 8-32% less Postgres CPU per message (docs/benchmarks.md).
 -- internal/keylock's TestClaimUpdatesAreHOT checks the ratio.
 --
 -- The setting applies to every insert from now on, on any page; pages filled
