@@ -26,8 +26,8 @@ type Gate struct {
 	cut   bool
 	conns map[net.Conn]struct{}
 	cuts  int
-	// stalled is closed while the gate lets data through; while it is
-	// stalled, it is a channel that Restore closes.
+	// stalled is nil while the gate lets data through; while it is
+	// stalled, it is a channel that Restore or Cut closes.
 	stalled chan struct{}
 }
 
