@@ -155,6 +155,7 @@ type Cluster struct {
 
 	mu       sync.Mutex
 	stopped  bool
+	backups  int
 	watchdog *exec.Cmd
 	wdPipe   *os.File
 }
@@ -346,7 +347,7 @@ func freePort() (int, error) {
 // command builds an exec.Cmd for one of the server binaries, running as
 // osUser when we are root.
 func (c *Cluster) command(ctx context.Context, name string, args ...string) *exec.Cmd {
-	cmd := exec.CommandContext(ctx, filepath.Join(c.bin, name), args...)
+	cmd := exec.CommandContext(ctx, c.tool(name), args...)
 	// The cluster directory is one the server's user can always enter,
 	// unlike root's working directory.
 	cmd.Dir = c.dir
@@ -355,6 +356,22 @@ func (c *Cluster) command(ctx context.Context, name string, args ...string) *exe
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: c.cred}
 	}
 	return cmd
+}
+
+// tool returns the path of the server binary name: in the binaries'
+// directory, or else beside what pg_ctl there links to (a PATH directory may
+// link the few binaries Binaries looks for, not pg_basebackup).
+func (c *Cluster) tool(name string) string {
+	path := filepath.Join(c.bin, name)
+	if isExecutable(path) {
+		return path
+	}
+	if real, err := filepath.EvalSymlinks(filepath.Join(c.bin, "pg_ctl")); err == nil {
+		if beside := filepath.Join(filepath.Dir(real), name); isExecutable(beside) {
+			return beside
+		}
+	}
+	return path
 }
 
 // run runs a server binary and returns its combined output. pg_ctl is always
@@ -485,6 +502,66 @@ func (c *Cluster) Restart(ctx context.Context) error {
 			c.port, err, tail(out, 10), c.log, c.logTail())
 	}
 	c.logger.Info("throwaway PostgreSQL restarted", "port", c.port)
+	return nil
+}
+
+// Backup copies the running cluster with pg_basebackup, as a backup or an
+// asynchronous replica holds it: online, the server keeps serving. It
+// returns the copy's name for Rewind. Copies live in the cluster's
+// directory and go with it.
+func (c *Cluster) Backup(ctx context.Context) (string, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped {
+		return "", errors.New("back up PostgreSQL: cluster is stopped")
+	}
+	c.backups++
+	name := fmt.Sprintf("backup-%d", c.backups)
+	// -X stream brings the WAL the copy needs to be consistent; -c fast
+	// starts at once instead of waiting for the next checkpoint.
+	out, err := c.run(ctx, "pg_basebackup", "-D", filepath.Join(c.dir, name), "-X", "stream", "-c", "fast",
+		"--no-sync", "-h", c.dir, "-p", strconv.Itoa(c.port), "-U", "postgres")
+	if err != nil {
+		return "", fmt.Errorf("pg_basebackup of the cluster on port %d: %w\n%s", c.port, err, tail(out, 10))
+	}
+	c.logger.Info("throwaway PostgreSQL backed up", "port", c.port, "backup", name)
+	return name, nil
+}
+
+// Rewind stops the server, puts back the data directory Backup copied under
+// name, and starts the server again on the same port: the database goes
+// back in time as after a failover to an asynchronous replica that lagged,
+// or a restore of last night's backup. Every connection drops, as in those
+// cases. The backup stays, for another Rewind.
+func (c *Cluster) Rewind(ctx context.Context, name string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.stopped {
+		return errors.New("rewind PostgreSQL: cluster is stopped")
+	}
+	backup := filepath.Join(c.dir, name)
+	if _, err := os.Stat(filepath.Join(backup, "PG_VERSION")); err != nil {
+		return fmt.Errorf("rewind PostgreSQL to %s: not a backup of this cluster: %w", name, err)
+	}
+	if out, err := c.run(ctx, "pg_ctl", "stop", "-m", "fast", "-w",
+		"-t", strconv.Itoa(int(pgCtlTimeout.Seconds())), "-D", c.data); err != nil {
+		return fmt.Errorf("rewind PostgreSQL: pg_ctl stop on port %d: %w\n%s", c.port, err, tail(out, 10))
+	}
+	if err := os.RemoveAll(c.data); err != nil {
+		return fmt.Errorf("rewind PostgreSQL: remove the data directory: %w", err)
+	}
+	// cp -a keeps the server user's ownership and modes; as root, Go's
+	// copies would belong to root, which the server refuses.
+	if out, err := exec.CommandContext(ctx, "cp", "-a", backup, c.data).CombinedOutput(); err != nil {
+		return fmt.Errorf("rewind PostgreSQL: copy %s back: %w\n%s", name, err, tail(out, 10))
+	}
+	if out, err := c.run(ctx, "pg_ctl", "start", "-w",
+		"-t", strconv.Itoa(int(pgCtlTimeout.Seconds())),
+		"-D", c.data, "-l", c.log, "-o", "-p "+strconv.Itoa(c.port)); err != nil {
+		return fmt.Errorf("rewind PostgreSQL: pg_ctl start on port %d: %w\n%s\nserver log:\n%s",
+			c.port, err, tail(out, 10), c.logTail())
+	}
+	c.logger.Info("throwaway PostgreSQL rewound", "port", c.port, "backup", name)
 	return nil
 }
 

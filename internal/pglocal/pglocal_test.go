@@ -60,6 +60,74 @@ func TestStartRestartStop(t *testing.T) {
 	}
 }
 
+// Backup copies a running cluster; Rewind takes it back to the copy, as a
+// failover to a lagging replica or a restore would.
+func TestBackupRewind(t *testing.T) {
+	if _, err := Binaries(); err != nil {
+		t.Skipf("no PostgreSQL server binaries: %v", err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	c, err := Start(ctx, Options{})
+	if err != nil {
+		t.Fatalf("Start: %v", err)
+	}
+	t.Cleanup(func() { c.Stop(context.Background()) })
+	exec := func(sql string) {
+		t.Helper()
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		if _, err := conn.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	count := func() int {
+		t.Helper()
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		var n int
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM t").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	exec("CREATE TABLE t (n int); INSERT INTO t SELECT generate_series(1, 10)")
+	// A session stays open across the backup: the server keeps serving.
+	open, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer open.Close(context.Background())
+	name, err := c.Backup(ctx)
+	if err != nil {
+		t.Fatalf("Backup: %v", err)
+	}
+	if _, err := open.Exec(ctx, "INSERT INTO t SELECT generate_series(11, 15)"); err != nil {
+		t.Fatalf("the server stopped serving during the backup: %v", err)
+	}
+	if n := count(); n != 15 {
+		t.Fatalf("%d rows before the rewind, want 15", n)
+	}
+	for range 2 { // the backup stays for another rewind
+		if err := c.Rewind(ctx, name); err != nil {
+			t.Fatalf("Rewind: %v", err)
+		}
+		if n := count(); n != 10 {
+			t.Errorf("%d rows after the rewind, want the 10 the backup held", n)
+		}
+		exec("INSERT INTO t VALUES (99)")
+	}
+	if err := c.Rewind(ctx, "backup-none"); err == nil {
+		t.Error("Rewind to a backup that does not exist succeeded")
+	}
+}
+
 func selectOne(ctx context.Context, t *testing.T, url string) {
 	t.Helper()
 	conn, err := pgx.Connect(ctx, url)
