@@ -1,11 +1,17 @@
 -- Claim up to $1 due heads that no one holds, lease them to $4 until now() +
 -- $2, and return, for each, its consecutive due pending messages in order (at
--- most $3 per key; unordered heads are one message). The lease commits with
--- this statement: publishing happens after, outside any transaction. This is
--- the main claim: heads of every target that is neither paused nor
--- rate-limited. A rate-limited target's heads are claimed with
--- dispatch_claim_target.sql, whose message read (from "claimed AS" on) is
--- this one's, word for word.
+-- most $3 per key; unordered heads are one message), within $5 bytes in all
+-- (see "The byte budget" below). The lease commits with this statement:
+-- publishing happens after, outside any transaction. This is the main claim:
+-- heads of every target that is neither paused nor rate-limited. A
+-- rate-limited target's heads are claimed with dispatch_claim_target.sql.
+-- The two are separate statements only so that each names its partial
+-- index's predicate (deferred_key.throttled) as a constant (see
+-- internal/keylock's claim); what they read once the heads are leased must
+-- not differ, since per-key order, the byte budget and the release of keys
+-- that come back empty rest on it. So from "claimed AS" on that file is this
+-- one word for word (TestClaimStatementsShareTheirMessageRead checks it),
+-- which is also why the budget is $5 in both.
 --
 -- Heads of paused and rate-limited targets are flagged (deferred_key.throttled)
 -- and are not in deferred_key_due's range at all, so however large their
@@ -28,7 +34,24 @@
 -- MATERIALIZED keeps the LIMIT and SKIP LOCKED in one place: without it the
 -- planner may inline the CTE into the UPDATE and lock more rows than asked.
 -- A claimed key for which no message comes back (an operator changed it an
--- instant ago) still returns one row with id NULL so the caller can release it.
+-- instant ago, or the byte budget cut all of its run) still returns one row
+-- with id NULL so the caller can release it.
+--
+-- The byte budget ($5, bigint, at least 1) bounds what the caller holds in
+-- memory. A message's bytes are octet_length(key) + octet_length(value) +
+-- the octet_length of each header value (NULLs count 0; octet_length reads
+-- a TOASTed value's size from its pointer, without fetching it). Rows are
+-- summed in the order they are returned (business key, head, seq, id), and
+-- a row is kept only while the bytes of the rows before it are below $5:
+-- the first message always comes back, however large, and no claim returns
+-- more than $5 bytes plus one message. What is kept is a prefix of that order, so a key
+-- cut part-way returns the first messages of its run, in order, and the
+-- rest stays pending behind them, to be claimed again from the new head
+-- once the caller releases the key; a key cut entirely returns its id NULL
+-- row, whose columns are all NULL (nothing of the cut messages leaves the
+-- database). The sum runs over the rows the laterals read, at most $1 x $3,
+-- in the sort the output order needs anyway; nth, each message's place in
+-- its run, rides on the window that already checks all_due.
 WITH due AS MATERIALIZED (
     SELECT ctid
     FROM deferred_key
@@ -52,33 +75,56 @@ WITH due AS MATERIALIZED (
     FROM due
     WHERE k.ctid = due.ctid
     RETURNING k.business_key, k.head_id, k.head_seq
-)
-SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count,
-       m.key, m.value, m.header_keys, m.header_values
-FROM claimed c
-LEFT JOIN LATERAL (
-    SELECT s.id, s.seq, s.target_topic, s.next_run_at, s.attempt, s.redrive_count, s.key, s.value,
-           s.header_keys, s.header_values
-    FROM (
-        SELECT m.*, bool_and(m.state = 'pending' AND m.next_run_at <= now()) OVER (ORDER BY m.seq, m.id) AS all_due
+), run AS (
+    SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count,
+           m.key, m.value, m.header_keys, m.header_values, m.nth,
+           -- The bytes of the rows before this one, in the output order.
+           coalesce(sum(coalesce(octet_length(m.key), 0) + coalesce(octet_length(m.value), 0)
+                        + coalesce((SELECT sum(octet_length(h)) FROM unnest(m.header_values) AS h)::int, 0))
+                    OVER (ORDER BY c.business_key, c.head_id, m.seq, m.id
+                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS bytes_before
+    FROM claimed c
+    LEFT JOIN LATERAL (
+        SELECT s.id, s.seq, s.target_topic, s.next_run_at, s.attempt, s.redrive_count, s.key, s.value,
+               s.header_keys, s.header_values, s.nth
+        FROM (
+            SELECT m.*, bool_and(m.state = 'pending' AND m.next_run_at <= now()) OVER w AS all_due,
+                   row_number() OVER w AS nth
+            FROM deferred_message m
+            WHERE c.business_key IS NOT NULL AND m.business_key = c.business_key
+              -- The head candidates (deferred_message_key_order's predicate),
+              -- so that a parked message holding the key ends the run.
+              AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
+              -- Never hand out anything before the head the claim leased. The
+              -- ctid join above already skips a head that changed after this
+              -- statement's snapshot; this keeps the read right even if that
+              -- join changes.
+              AND (m.seq, m.id) >= (c.head_seq, c.head_id)
+            WINDOW w AS (ORDER BY m.seq, m.id)
+            ORDER BY m.seq, m.id
+            LIMIT $3
+        ) s
+        WHERE s.all_due
+        UNION ALL
+        SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count, m.key, m.value,
+               m.header_keys, m.header_values, 1
         FROM deferred_message m
-        WHERE c.business_key IS NOT NULL AND m.business_key = c.business_key
-          -- The head candidates (deferred_message_key_order's predicate),
-          -- so that a parked message holding the key ends the run.
-          AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
-          -- Never hand out anything before the head the claim leased. The
-          -- ctid join above already skips a head that changed after this
-          -- statement's snapshot; this keeps the read right even if that
-          -- join changes.
-          AND (m.seq, m.id) >= (c.head_seq, c.head_id)
-        ORDER BY m.seq, m.id
-        LIMIT $3
-    ) s
-    WHERE s.all_due
-    UNION ALL
-    SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count, m.key, m.value,
-           m.header_keys, m.header_values
-    FROM deferred_message m
-    WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
-) m ON true
-ORDER BY c.business_key, c.head_id, m.seq, m.id
+        WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
+    ) m ON true
+)
+-- Past the budget, a key's first row stays, emptied, so that the key comes
+-- back (nth is NULL on the row of a key with no message at all).
+SELECT r.business_key, r.head_id,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.id END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.seq END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.target_topic END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.next_run_at END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.attempt END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.redrive_count END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.key END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.value END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_keys END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END
+FROM run r
+WHERE r.bytes_before < $5::bigint OR coalesce(r.nth, 1) = 1
+ORDER BY r.business_key, r.head_id, r.seq, r.id

@@ -1,25 +1,30 @@
--- Claim up to $1 due heads of the rate-limited target $5 that no one holds,
+-- Claim up to $1 due heads of the rate-limited target $6 that no one holds,
 -- lease them to $4 until now() + $2, and return, for each, its consecutive
 -- due pending messages in order, at most $3 per key (the caller took one
 -- token of the target's rate limit per head it asks for, and passes $3 = 1:
--- one token pays for one message). A paused target yields nothing. See
--- dispatch_claim.sql, the main claim, for the rest: from "claimed AS" on,
--- this is that file word for word.
+-- one token pays for one message), within $5 bytes in all (bigint, at least
+-- 1: the first message always comes back, and a key the budget cuts comes
+-- back as one row with id NULL, to be released; the caller gives back the
+-- tokens of such keys). A paused target yields nothing. See
+-- dispatch_claim.sql, the main claim, for the rest, the byte budget
+-- included: from "claimed AS" on, this is that file word for word (the
+-- statements differ only in the heads they lease; that file says why), so
+-- the budget is $5 in both and the target, which only this one has, is $6.
 --
--- Reads deferred_key_throttled from ($5, -infinity): only this target's due
+-- Reads deferred_key_throttled from ($6, -infinity): only this target's due
 -- heads, however large the backlog of other paused or limited targets. A
--- head of $5 left unflagged by a race with the operator's change that
+-- head of $6 left unflagged by a race with the operator's change that
 -- limited it (migration 0002) is not seen here until maintenance flags it.
 WITH due AS MATERIALIZED (
     SELECT ctid
     FROM deferred_key
     WHERE throttled
-      AND head_target = $5::text
+      AND head_target = $6::text
       AND next_run_at <= now()
       AND (leased_until IS NULL OR leased_until <= now())
-      -- On $5, not on head_target: one check for the whole claim, which
+      -- On $6, not on head_target: one check for the whole claim, which
       -- the planner does not mistake for a filter of the heads' rows.
-      AND NOT EXISTS (SELECT 1 FROM target_control c WHERE c.target_topic = $5::text AND c.paused)
+      AND NOT EXISTS (SELECT 1 FROM target_control c WHERE c.target_topic = $6::text AND c.paused)
     ORDER BY next_run_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
@@ -29,33 +34,56 @@ WITH due AS MATERIALIZED (
     FROM due
     WHERE k.ctid = due.ctid
     RETURNING k.business_key, k.head_id, k.head_seq
-)
-SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count,
-       m.key, m.value, m.header_keys, m.header_values
-FROM claimed c
-LEFT JOIN LATERAL (
-    SELECT s.id, s.seq, s.target_topic, s.next_run_at, s.attempt, s.redrive_count, s.key, s.value,
-           s.header_keys, s.header_values
-    FROM (
-        SELECT m.*, bool_and(m.state = 'pending' AND m.next_run_at <= now()) OVER (ORDER BY m.seq, m.id) AS all_due
+), run AS (
+    SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count,
+           m.key, m.value, m.header_keys, m.header_values, m.nth,
+           -- The bytes of the rows before this one, in the output order.
+           coalesce(sum(coalesce(octet_length(m.key), 0) + coalesce(octet_length(m.value), 0)
+                        + coalesce((SELECT sum(octet_length(h)) FROM unnest(m.header_values) AS h)::int, 0))
+                    OVER (ORDER BY c.business_key, c.head_id, m.seq, m.id
+                          ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS bytes_before
+    FROM claimed c
+    LEFT JOIN LATERAL (
+        SELECT s.id, s.seq, s.target_topic, s.next_run_at, s.attempt, s.redrive_count, s.key, s.value,
+               s.header_keys, s.header_values, s.nth
+        FROM (
+            SELECT m.*, bool_and(m.state = 'pending' AND m.next_run_at <= now()) OVER w AS all_due,
+                   row_number() OVER w AS nth
+            FROM deferred_message m
+            WHERE c.business_key IS NOT NULL AND m.business_key = c.business_key
+              -- The head candidates (deferred_message_key_order's predicate),
+              -- so that a parked message holding the key ends the run.
+              AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
+              -- Never hand out anything before the head the claim leased. The
+              -- ctid join above already skips a head that changed after this
+              -- statement's snapshot; this keeps the read right even if that
+              -- join changes.
+              AND (m.seq, m.id) >= (c.head_seq, c.head_id)
+            WINDOW w AS (ORDER BY m.seq, m.id)
+            ORDER BY m.seq, m.id
+            LIMIT $3
+        ) s
+        WHERE s.all_due
+        UNION ALL
+        SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count, m.key, m.value,
+               m.header_keys, m.header_values, 1
         FROM deferred_message m
-        WHERE c.business_key IS NOT NULL AND m.business_key = c.business_key
-          -- The head candidates (deferred_message_key_order's predicate),
-          -- so that a parked message holding the key ends the run.
-          AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
-          -- Never hand out anything before the head the claim leased. The
-          -- ctid join above already skips a head that changed after this
-          -- statement's snapshot; this keeps the read right even if that
-          -- join changes.
-          AND (m.seq, m.id) >= (c.head_seq, c.head_id)
-        ORDER BY m.seq, m.id
-        LIMIT $3
-    ) s
-    WHERE s.all_due
-    UNION ALL
-    SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count, m.key, m.value,
-           m.header_keys, m.header_values
-    FROM deferred_message m
-    WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
-) m ON true
-ORDER BY c.business_key, c.head_id, m.seq, m.id
+        WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
+    ) m ON true
+)
+-- Past the budget, a key's first row stays, emptied, so that the key comes
+-- back (nth is NULL on the row of a key with no message at all).
+SELECT r.business_key, r.head_id,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.id END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.seq END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.target_topic END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.next_run_at END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.attempt END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.redrive_count END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.key END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.value END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_keys END,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END
+FROM run r
+WHERE r.bytes_before < $5::bigint OR coalesce(r.nth, 1) = 1
+ORDER BY r.business_key, r.head_id, r.seq, r.id

@@ -12,8 +12,10 @@ import _ "embed"
 var (
 	//go:embed ingest_insert.sql
 	IngestInsert string
-	//go:embed ingest_offsets.sql
-	IngestOffsets string
+	//go:embed ingest_positions.sql
+	IngestPositions string
+	//go:embed ingest_position_set.sql
+	IngestPositionSet string
 	//go:embed dispatch_claim.sql
 	DispatchClaim string
 	//go:embed dispatch_claim_target.sql

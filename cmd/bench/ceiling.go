@@ -45,7 +45,7 @@ func (b *bench) runCeiling(ctx context.Context) (res ceilingResult, err error) {
 		return res, err
 	}
 	defer func() { err = errors.Join(err, b.pg.drop(context.WithoutCancel(ctx), db)) }()
-	store := deferral.NewStore(db.pool)
+	store := deferral.NewStore(db.pool, nil)
 	lockers := make([]*keylock.Locker, dispatchLoops)
 	for i := range lockers {
 		if lockers[i], err = keylock.New(db.pool, keylock.Config{
@@ -123,14 +123,18 @@ func (b *bench) ceilingRun(ctx context.Context, db *database, store *deferral.St
 		for p := range parts {
 			wg.Go(func() {
 				entries := byPart[p]
+				// Each writer is the only one of its partition: it knows
+				// the stored position without reading it.
+				pos := deferral.Position{Topic: "ceiling." + phase, Partition: int32(p), Next: deferral.NoPosition}
 				for len(entries) > 0 {
 					batch := entries[:min(ingestBatch, len(entries))]
 					entries = entries[len(batch):]
-					if _, err := store.Insert(cctx, "ceiling."+phase, int32(p), batch); err != nil {
+					if _, err := store.Insert(cctx, pos, batch); err != nil {
 						fail(err)
 						cancel()
 						return
 					}
+					pos.Next = batch[len(batch)-1].Offset + 1
 				}
 			})
 		}

@@ -217,7 +217,7 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 		}
 	}()
 
-	group, err := sarama.NewConsumerGroup([]string{addr}, "bench-river", deferral.ConsumerConfig(kafkaConfig()))
+	group, err := sarama.NewConsumerGroup([]string{addr}, "bench-river", deferral.ConsumerConfig(kafkaConfig(), nil))
 	if err != nil {
 		return res, fmt.Errorf("River contender's consumer: %w", err)
 	}

@@ -39,7 +39,7 @@ func TestReaperRemovesMemberKilledInJoin(t *testing.T) {
 	summary := func() string { return groupSummary(kc.GroupInfo(group), topic, 2, map[string]bool{"live": true}) }
 
 	// The live member, configured as ingest is.
-	conf := deferral.ConsumerConfig(kafkaConfig())
+	conf := deferral.ConsumerConfig(kafkaConfig(), nil)
 	conf.ClientID = "live"
 	conf.Consumer.Group.Session.Timeout = session
 	conf.Consumer.Group.Heartbeat.Interval = session / 4

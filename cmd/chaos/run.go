@@ -99,7 +99,7 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 	reapCtx, stopReaper := context.WithCancel(ctx)
 	defer stopReaper()
 	reaped := make(chan int, 1)
-	cc := deferral.ConsumerConfig(kafkaConfig())
+	cc := deferral.ConsumerConfig(kafkaConfig(), nil)
 	rp := &reaper{kc: kc, addr: addr, group: consumerGroup, gone: fl.gone, say: say,
 		session: cc.Consumer.Group.Session.Timeout, rebalance: cc.Consumer.Group.Rebalance.Timeout}
 	go func() { reaped <- rp.run(reapCtx, 500*time.Millisecond) }()

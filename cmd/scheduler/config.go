@@ -46,6 +46,8 @@ type config struct {
 	SigningRequired bool   `env:"SIGNING_REQUIRED" envDefault:"false" form:"true or false" help:"also reject records without defer.source or from a source with no signing key"`
 
 	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records written per insert (per partition)"`
+	IngestBatchBytes  int           `env:"INGEST_BATCH_BYTES" envDefault:"4194304" form:"integer 1024..268435456" help:"bytes of records written per insert (per partition); a larger record is written alone"`
+	IngestBufferBytes int           `env:"INGEST_BUFFER_BYTES" envDefault:"33554432" form:"integer 1048576..4294967296" help:"bytes of records ingest holds at once, read from Kafka and not yet stored, over every partition it consumes (fetched, queued and batched); a larger record is still read, alone"`
 	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill"`
 
 	DispatchLoops         int           `env:"DISPATCH_LOOPS" envDefault:"4" form:"integer 1..256" help:"dispatch loops shared by all replicas on the database"`
@@ -53,6 +55,7 @@ type config struct {
 	DispatchBatchKeys     int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
 	DispatchKeyBatch      int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
 	DispatchRoundMessages int           `env:"DISPATCH_ROUND_MESSAGES" envDefault:"5000" form:"integer 1..1000000" help:"most messages one dispatch round claims and holds in memory (rate-limited targets' claims come on top); a round takes many keys with short runs or few keys with whole runs within it"`
+	DispatchRoundBytes    int           `env:"DISPATCH_ROUND_BYTES" envDefault:"8388608" form:"integer 1024..1073741824" help:"most bytes of messages (key, value and headers) one dispatch round claims and holds in memory; a round always takes at least one message, however large"`
 	DispatchLoopDuration  time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
 	LeaseDuration         time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 17 x KAFKA_TIMEOUT + 0.3s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
 	PollInterval          time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
@@ -177,6 +180,9 @@ func (c *config) validate() error {
 		}
 	}
 	intRange("INGEST_BATCH_SIZE", c.IngestBatchSize, 1, 100000)
+	intRange("INGEST_BATCH_BYTES", c.IngestBatchBytes, 1024, 256<<20)
+	intRange("INGEST_BUFFER_BYTES", c.IngestBufferBytes, 1<<20, 4<<30)
+	intRange("DISPATCH_ROUND_BYTES", c.DispatchRoundBytes, 1024, 1<<30)
 	intRange("DISPATCH_LOOPS", c.DispatchLoops, 1, 256)
 	intRange("DISPATCH_WORKERS", c.DispatchWorkers, 1, 256)
 	intRange("DISPATCH_BATCH_KEYS", c.DispatchBatchKeys, 1, 100000)

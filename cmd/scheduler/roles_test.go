@@ -195,15 +195,17 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	setupRoles(t, dbURL, admin, roles, "public")
 	ctx := context.Background()
 
-	// The one function the service calls that runs as the owner has its
+	// The functions the service calls that run as the owner have their
 	// search_path pinned by grants.sql, as the trigger functions have.
-	var analyzeConfig []string
-	if err := admin.QueryRow(ctx, `SELECT coalesce(proconfig, '{}') FROM pg_proc
-		WHERE proname = 'deferred_queue_analyze' AND prosecdef`).Scan(&analyzeConfig); err != nil {
-		t.Fatalf("deferred_queue_analyze, SECURITY DEFINER: %v", err)
-	}
-	if !slices.Contains(analyzeConfig, "search_path=public, pg_temp") {
-		t.Errorf("deferred_queue_analyze settings %q lack search_path=public, pg_temp", analyzeConfig)
+	for _, fn := range []string{"deferred_queue_analyze", "deferred_sequences_advance"} {
+		var config []string
+		if err := admin.QueryRow(ctx, `SELECT coalesce(proconfig, '{}') FROM pg_proc
+			WHERE proname = $1 AND prosecdef`, fn).Scan(&config); err != nil {
+			t.Fatalf("%s, SECURITY DEFINER: %v", fn, err)
+		}
+		if !slices.Contains(config, "search_path=public, pg_temp") {
+			t.Errorf("%s settings %q lack search_path=public, pg_temp", fn, config)
+		}
 	}
 
 	p := start(t, append(serviceEnv(roles.url(t, dbURL, roles.service), brokers, "roles"), "METRICS_INTERVAL=200ms"))

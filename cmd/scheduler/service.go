@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"os"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -24,6 +25,7 @@ import (
 	"github.com/deferq/scheduler/internal/batchproducer"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/highwater"
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/migrations"
 	schedsql "github.com/deferq/scheduler/sql"
@@ -35,7 +37,11 @@ type service struct {
 	logger   *slog.Logger
 	pool     *pgxpool.Pool
 	producer *batchproducer.Producer
-	group    sarama.ConsumerGroup
+	consumer *deferral.Consumer
+	budget   *deferral.Budget
+	// marks is the highest message id and seq this process has seen, which
+	// ingest and the heartbeat keep a rewound database's sequences past.
+	marks    *highwater.Marks
 	ingester *deferral.Ingester
 	runtime  *dispatch.Runtime
 	waker    *dispatch.Waker
@@ -63,7 +69,7 @@ type service struct {
 // it applies pending migrations first; otherwise pending migrations stop
 // start-up, since running on a schema the code does not expect corrupts data.
 func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bool) (_ *service, err error) {
-	s := &service{cfg: cfg, logger: logger, registry: prometheus.NewRegistry()}
+	s := &service{cfg: cfg, logger: logger, registry: prometheus.NewRegistry(), marks: &highwater.Marks{}}
 	defer func() {
 		if err != nil {
 			s.close()
@@ -71,6 +77,10 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	}()
 	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	s.metrics = metrics.New(s.registry, version)
+	if limit, set := memoryLimit(cfg, os.Getenv("GOMEMLIMIT")); set {
+		debug.SetMemoryLimit(limit)
+		logger.Info("memory limit", "bytes", limit, "from", "INGEST_BUFFER_BYTES, DISPATCH_LOOPS and DISPATCH_ROUND_BYTES (GOMEMLIMIT overrides)")
+	}
 	if s.pool, err = openPool(ctx, cfg); err != nil {
 		return nil, err
 	}
@@ -125,12 +135,16 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	s.brokers = newBrokerCheck(brokers, probe)
 
 	logPolicies(logger, cfg)
-	s.ingester, err = deferral.NewIngester(s.group, deferral.NewStore(s.pool), deferral.IngestConfig{
+	s.ingester, err = deferral.NewIngester(s.consumer.Group, deferral.NewStore(s.pool, s.marks), deferral.IngestConfig{
 		Topic: cfg.DeferTopic,
+		Group: cfg.ConsumerGroup,
 		Rules: deferral.Rules{Targets: cfg.targets, MaxDelay: cfg.MaxDelay,
 			Policies: cfg.policies, Classifier: cfg.classifier, Signing: cfg.signing},
 		BatchSize:   cfg.IngestBatchSize,
+		BatchBytes:  cfg.IngestBatchBytes,
 		BatchLinger: cfg.IngestBatchLinger,
+		Budget:      s.budget,
+		Log:         s.consumer.Log(),
 		Metrics:     s.metrics,
 	}, logger.With("component", "ingest"))
 	if err != nil {
@@ -157,6 +171,7 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 			Targets:         cfg.targets,
 			MaxMessageBytes: cfg.KafkaMaxMessageBytes,
 			Metrics:         s.metrics,
+			Marks:           s.marks,
 		},
 	}, logger.With("component", "dispatch"))
 	if err != nil {
@@ -164,6 +179,27 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	}
 	s.connected.Store(true)
 	return s, nil
+}
+
+// memoryLimit returns the soft memory limit the service sets for Go's
+// garbage collector, and false when GOMEMLIMIT (gomemlimit) is set: the
+// runtime has read it, and the operator's word stands.
+//
+// The byte budgets bound what the service holds live (records ingest holds,
+// their statement's encoding, each dispatch round and its produce requests);
+// the collector, left to GOGC alone, lets the heap grow to twice that before
+// collecting, which with large records is what takes a process past a
+// container's limit. The limit makes it collect sooner instead: a fixed
+// allowance for the rest of the process, twice the ingest budget, three
+// times each loop's round (rows read, records built, produce requests).
+// It is soft: with more live than that, the collector runs often but the
+// process does not fail.
+func memoryLimit(cfg config, gomemlimit string) (int64, bool) {
+	if gomemlimit != "" {
+		return 0, false
+	}
+	const rest = 64 << 20
+	return rest + 2*int64(cfg.IngestBufferBytes) + 3*int64(cfg.DispatchLoops)*int64(cfg.DispatchRoundBytes), true
 }
 
 // logPolicies logs the effective retry rules, one line per policy entry in
@@ -202,9 +238,10 @@ func (s *service) connectKafka(ctx context.Context, brokers []string) error {
 			return err
 		}
 		pc.Producer.MaxMessageBytes = s.cfg.KafkaMaxMessageBytes
+		s.budget = deferral.NewBudget(int64(s.cfg.IngestBufferBytes))
 		s.producer, err = batchproducer.New(brokers, dispatch.ProducerConfig(pc))
 		if err == nil {
-			s.group, err = sarama.NewConsumerGroup(brokers, s.cfg.ConsumerGroup, deferral.ConsumerConfig(cc))
+			s.consumer, err = deferral.NewConsumer(brokers, s.cfg.ConsumerGroup, cc, s.budget)
 			if err != nil {
 				s.producer.Close()
 				s.producer = nil
@@ -301,7 +338,7 @@ func (s *service) close() {
 		// stops the server that newService started.
 		s.http.Close()
 	}
-	if s.group != nil {
+	if s.consumer != nil {
 		s.closeGroup()
 	}
 	if s.producer != nil {
@@ -328,7 +365,7 @@ func (s *service) closeGroup() {
 		budget = time.Until(s.stopBy)
 	}
 	closed := make(chan error, 1)
-	go func() { closed <- s.group.Close() }()
+	go func() { closed <- s.consumer.Close() }()
 	timer := time.NewTimer(max(budget, minGroupClose))
 	defer timer.Stop()
 	select {

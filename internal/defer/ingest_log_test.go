@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
-
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -23,14 +21,15 @@ func TestIngestLogsClaims(t *testing.T) {
 	const group = "ingest-log-claims"
 	k.produce(t, validRec(1, "business-key-secret", "payload-secret"))
 
-	cg, err := sarama.NewConsumerGroup(k.addrs, group, ConsumerConfig(saramaConfig()))
+	cg, err := NewConsumer(k.addrs, group, saramaConfig(), nil)
 	if err != nil {
 		t.Fatalf("consumer group: %v", err)
 	}
 	defer cg.Close()
 	var logs testLog
 	logger := slog.New(slog.NewTextHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	in, err := NewIngester(cg, NewStore(db.Pool), IngestConfig{Topic: ingestTopic, Rules: ingestRules(), BatchSize: 10, BatchLinger: 10 * time.Millisecond}, logger)
+	in, err := NewIngester(cg.Group, NewStore(db.Pool, nil), IngestConfig{Topic: ingestTopic, Group: group, Log: cg.Log(),
+		Rules: ingestRules(), BatchSize: 10, BatchLinger: 10 * time.Millisecond}, logger)
 	if err != nil {
 		t.Fatalf("NewIngester: %v", err)
 	}

@@ -135,7 +135,9 @@ func TestIngestPolicies(t *testing.T) {
 // Without policies the ingester uses the built-in default; it needs a
 // positive maximum delay to cap it.
 func TestNewIngesterDefaultPolicies(t *testing.T) {
-	cfg := IngestConfig{Topic: ingestTopic, BatchSize: 1, BatchLinger: time.Millisecond, Rules: Rules{MaxDelay: time.Minute}}
+	// A log that is never asked: NewIngester only keeps it.
+	cfg := IngestConfig{Topic: ingestTopic, BatchSize: 1, BatchLinger: time.Millisecond, Rules: Rules{MaxDelay: time.Minute},
+		Log: NewPartitionLog(nil)}
 	in, err := NewIngester(nil, nil, cfg, nil)
 	if err != nil {
 		t.Fatalf("NewIngester: %v", err)

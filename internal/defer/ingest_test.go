@@ -179,6 +179,12 @@ func (l *testLog) String() string {
 }
 
 func newTestLogger(t *testing.T) *slog.Logger {
+	logger, _ := newTestLog(t)
+	return logger
+}
+
+// newTestLog is newTestLogger that also returns what the logger wrote.
+func newTestLog(t *testing.T) (*slog.Logger, *testLog) {
 	l := &testLog{}
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -187,16 +193,17 @@ func newTestLogger(t *testing.T) *slog.Logger {
 			t.Logf("ingester logs:\n%s", l.buf.String())
 		}
 	})
-	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	return slog.New(slog.NewTextHandler(l, &slog.HandlerOptions{Level: slog.LevelInfo})), l
 }
 
 // runningIngester is an Ingester running on its own consumer group client.
 type runningIngester struct {
-	in     *Ingester
-	group  sarama.ConsumerGroup
-	cancel context.CancelFunc
-	done   chan error
-	once   sync.Once
+	in       *Ingester
+	consumer *Consumer
+	log      *testLog
+	cancel   context.CancelFunc
+	done     chan error
+	once     sync.Once
 }
 
 // startIngester runs an Ingester in group until ctx ends or stop is called.
@@ -204,22 +211,26 @@ type runningIngester struct {
 // targets means ingestRules().
 func startIngester(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, groupID string, cfg IngestConfig, afterStore func() error) *runningIngester {
 	t.Helper()
-	group, err := sarama.NewConsumerGroup(k.addrs, groupID, ConsumerConfig(saramaConfig()))
+	consumer, err := NewConsumer(k.addrs, groupID, saramaConfig(), cfg.Budget)
 	if err != nil {
 		t.Fatalf("consumer group: %v", err)
 	}
+	group := consumer.Group
 	cfg.Topic = ingestTopic
+	cfg.Group = groupID
+	cfg.Log = consumer.Log()
 	if cfg.Rules.Targets == nil {
 		cfg.Rules = ingestRules()
 	}
-	in, err := NewIngester(group, NewStore(pool), cfg, newTestLogger(t))
+	logger, log := newTestLog(t)
+	in, err := NewIngester(group, NewStore(pool, nil), cfg, logger)
 	if err != nil {
-		group.Close()
+		consumer.Close()
 		t.Fatalf("NewIngester: %v", err)
 	}
 	in.afterStore = afterStore
 	ctx, cancel := context.WithCancel(ctx)
-	r := &runningIngester{in: in, group: group, cancel: cancel, done: make(chan error, 1)}
+	r := &runningIngester{in: in, consumer: consumer, log: log, cancel: cancel, done: make(chan error, 1)}
 	go func() {
 		in.Run(ctx)
 		r.done <- nil
@@ -240,11 +251,14 @@ func (r *runningIngester) wait(t testing.TB) {
 		case <-time.After(30 * time.Second):
 			t.Errorf("Run did not return within 30s of its context ending")
 		}
-		if err := r.group.Close(); err != nil {
+		if err := r.consumer.Close(); err != nil {
 			t.Logf("close consumer group: %v", err)
 		}
 	})
 }
+
+// logs returns what the ingester logged so far.
+func (r *runningIngester) logs() string { return r.log.String() }
 
 // stop cancels Run and waits for it.
 func (r *runningIngester) stop(t testing.TB) {

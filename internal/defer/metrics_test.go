@@ -46,7 +46,7 @@ func TestConsumerConfigFetchWaitsLessThanReadTimeout(t *testing.T) {
 	} {
 		base := sarama.NewConfig()
 		base.Net.ReadTimeout = c.read
-		if got := ConsumerConfig(base).Consumer.MaxWaitTime; got != c.want {
+		if got := ConsumerConfig(base, nil).Consumer.MaxWaitTime; got != c.want {
 			t.Errorf("read timeout %v: MaxWaitTime %v, want %v", c.read, got, c.want)
 		}
 	}

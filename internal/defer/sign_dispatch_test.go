@@ -86,12 +86,15 @@ func TestDispatchDropsSignature(t *testing.T) {
 		t.Fatalf("produce: %v", err)
 	}
 
-	group, err := sarama.NewConsumerGroup(addrs, "sign-dispatch", deferral.ConsumerConfig(config()))
+	consumer, err := deferral.NewConsumer(addrs, "sign-dispatch", config(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	in, err := deferral.NewIngester(group, deferral.NewStore(db.Pool), deferral.IngestConfig{
+	group := consumer.Group
+	in, err := deferral.NewIngester(group, deferral.NewStore(db.Pool, nil), deferral.IngestConfig{
 		Topic:       deferTopic,
+		Group:       "sign-dispatch",
+		Log:         consumer.Log(),
 		Rules:       deferral.Rules{Targets: deferral.TargetPatterns{target}, MaxDelay: time.Hour, Signing: signing},
 		BatchSize:   10,
 		BatchLinger: 10 * time.Millisecond,
@@ -108,7 +111,7 @@ func TestDispatchDropsSignature(t *testing.T) {
 	t.Cleanup(func() {
 		stop()
 		<-done
-		group.Close()
+		consumer.Close()
 	})
 	deadline := time.Now().Add(30 * time.Second)
 	for stored, rejected, _ := in.Counts(); stored == 0; stored, rejected, _ = in.Counts() {
@@ -140,12 +143,12 @@ func TestDispatchDropsSignature(t *testing.T) {
 		t.Fatalf("dispatch round: %+v, %v; want 1 published", stats, err)
 	}
 
-	consumer, err := sarama.NewConsumer(addrs, config())
+	reader, err := sarama.NewConsumer(addrs, config())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer consumer.Close()
-	part, err := consumer.ConsumePartition(target, 0, sarama.OffsetOldest)
+	defer reader.Close()
+	part, err := reader.ConsumePartition(target, 0, sarama.OffsetOldest)
 	if err != nil {
 		t.Fatal(err)
 	}

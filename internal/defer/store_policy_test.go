@@ -84,7 +84,7 @@ WHERE k.business_key = $1`, key)
 // policy does not, and an unordered one holds nothing.
 func TestStoreParkedAtIngest(t *testing.T) {
 	db := pgtest.NewDB(t)
-	store := NewStore(db.Pool)
+	store := NewStore(db.Pool, nil)
 	ctx := context.Background()
 	exhausted := &ParkReason{Code: codeExhausted, Detail: "3 retries made"}
 	permanent := &ParkReason{Code: codePermanent, Detail: `defer.error.class "permanent"`}
@@ -108,7 +108,7 @@ func TestStoreParkedAtIngest(t *testing.T) {
 			Reject: &RejectError{Code: codeInvalidDelay, Detail: "d"}, Decision: Decision{Park: permanent, DLQTopic: dlq}},
 	}
 	before := dbNow(t, db.Pool)
-	n, err := store.Insert(ctx, storeTopic, 0, first)
+	n, err := insertNext(ctx, t, store, storeTopic, 0, first)
 	if err != nil {
 		t.Fatalf("Insert: %v", err)
 	}
@@ -117,7 +117,7 @@ func TestStoreParkedAtIngest(t *testing.T) {
 	}
 	// A later batch: the held key's newcomer waits too.
 	later := []Entry{entry(7, "held", Decision{Delay: 0, DLQTopic: dlq}), entry(8, "released", Decision{Delay: 0, ReleaseKey: true})}
-	if _, err := store.Insert(ctx, storeTopic, 0, later); err != nil {
+	if _, err := insertNext(ctx, t, store, storeTopic, 0, later); err != nil {
 		t.Fatalf("Insert of the later batch: %v", err)
 	}
 	after := dbNow(t, db.Pool)
@@ -241,7 +241,7 @@ type attemptRow struct {
 // retries, is parked.
 func TestStoreHistoryLineage(t *testing.T) {
 	db := pgtest.NewDB(t)
-	store := NewStore(db.Pool)
+	store := NewStore(db.Pool, nil)
 	ctx := context.Background()
 	rules := testDecisionRules(t) // payments.*: a ladder of three retries
 
@@ -260,7 +260,7 @@ func TestStoreHistoryLineage(t *testing.T) {
 		if e.Reject != nil {
 			t.Fatalf("send %d rejected: %v", i, e.Reject)
 		}
-		if _, err := store.Insert(ctx, storeTopic, 0, []Entry{e}); err != nil {
+		if _, err := insertNext(ctx, t, store, storeTopic, 0, []Entry{e}); err != nil {
 			t.Fatalf("send %d: Insert: %v", i, err)
 		}
 		var id int64

@@ -12,6 +12,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/deferq/scheduler/internal/highwater"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -103,6 +104,21 @@ func dbNow(t testing.TB, pool *pgxpool.Pool) time.Time {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// insertNext stores entries after the partition's stored position, whatever
+// it is: for tests of what Insert stores rather than of the continuity check.
+func insertNext(ctx context.Context, t testing.TB, store *Store, topic string, partition int32, entries []Entry) (Inserted, error) {
+	t.Helper()
+	got, err := store.Positions(ctx, topic, []int32{partition})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pos := Position{Topic: topic, Partition: partition, Next: NoPosition}
+	if sp, ok := got[partition]; ok {
+		pos = sp.Position
+	}
+	return store.Insert(ctx, pos, entries)
+}
 
 func fmtPtr[T any](p *T) string {
 	if p == nil {
@@ -211,7 +227,7 @@ func checkRow(t *testing.T, name string, got storedRow, want rowWant) {
 
 func TestStoreInsertColumns(t *testing.T) {
 	db := pgtest.NewDB(t)
-	store := NewStore(db.Pool)
+	store := NewStore(db.Pool, nil)
 	ctx := context.Background()
 
 	at := time.Date(2031, 2, 3, 4, 5, 6, 123456000, time.UTC) // microseconds: what timestamptz keeps
@@ -370,7 +386,7 @@ func TestStoreInsertColumns(t *testing.T) {
 		entries[i].Offset = int64(100 + i)
 	}
 	before := dbNow(t, db.Pool)
-	n, err := store.Insert(ctx, storeTopic, 2, entries)
+	n, err := insertNext(ctx, t, store, storeTopic, 2, entries)
 	if err != nil {
 		t.Fatalf("Insert: %v", err)
 	}
@@ -419,7 +435,7 @@ func TestStoreInsertColumns(t *testing.T) {
 // records and re-deferrals (explicit seq) interleaved.
 func TestStoreInsertSeqOrder(t *testing.T) {
 	db := pgtest.NewDB(t)
-	store := NewStore(db.Pool)
+	store := NewStore(db.Pool, nil)
 
 	const n = 3000
 	entries := make([]Entry, n)
@@ -440,7 +456,7 @@ func TestStoreInsertSeqOrder(t *testing.T) {
 		}
 		entries[i] = e
 	}
-	got, err := store.Insert(context.Background(), storeTopic, 0, entries)
+	got, err := insertNext(context.Background(), t, store, storeTopic, 0, entries)
 	if err != nil {
 		t.Fatalf("Insert: %v", err)
 	}
@@ -543,7 +559,7 @@ func TestStoreInsertIdempotent(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			db := pgtest.NewDB(t)
-			store := NewStore(db.Pool)
+			store := NewStore(db.Pool, nil)
 			for i, b := range tt.batches {
 				entries := make([]Entry, len(b.offsets))
 				for j, off := range b.offsets {
@@ -553,7 +569,7 @@ func TestStoreInsertIdempotent(t *testing.T) {
 						Schedule: Schedule{Target: "orders.created", BusinessKey: "k", Ordered: true, Delay: time.Minute},
 					}
 				}
-				n, err := store.Insert(context.Background(), b.topic, b.partition, entries)
+				n, err := insertNext(context.Background(), t, store, b.topic, b.partition, entries)
 				if err != nil {
 					t.Fatalf("batch %d: Insert: %v", i+1, err)
 				}
@@ -599,7 +615,7 @@ func TestStoreInsertIdempotent(t *testing.T) {
 
 	t.Run("empty batch", func(t *testing.T) {
 		// No database needed: nothing to store is not an error.
-		n, err := (&Store{}).Insert(context.Background(), storeTopic, 0, nil)
+		n, err := (&Store{}).Insert(context.Background(), Position{Topic: storeTopic, Next: NoPosition}, nil)
 		if n != (Inserted{}) || err != nil {
 			t.Errorf("Insert of no entries = %+v, %v; want nothing, nil", n, err)
 		}
@@ -644,7 +660,7 @@ func TestStoreRejectedHeaderKeys(t *testing.T) {
 			if rej.Code != "invalid_encoding" {
 				t.Fatalf("Parse rejected with %q, want invalid_encoding", rej.Code)
 			}
-			n, err := NewStore(db.Pool).Insert(context.Background(), storeTopic, 0, []Entry{{Offset: 5, Record: rec, Schedule: sc, Reject: rej}})
+			n, err := NewStore(db.Pool, nil).Insert(context.Background(), Position{Topic: storeTopic, Next: NoPosition}, []Entry{{Offset: 5, Record: rec, Schedule: sc, Reject: rej}})
 			if err != nil {
 				t.Fatalf("Insert: %v", err)
 			}
@@ -680,10 +696,11 @@ func TestStoreRejectedHeaderKeys(t *testing.T) {
 	}
 }
 
-// The partition's next offset is stored with its rows, and only moves forward.
-func TestStoreOffsets(t *testing.T) {
-	db := pgtest.NewDB(t)
-	store := NewStore(db.Pool)
+// The partition's position is stored with its rows, and a batch is stored
+// only after the position its writer last saw: a position that moved (the
+// database went back, another writer stored past it, a new epoch) makes
+// Insert store nothing and say so.
+func TestStorePositions(t *testing.T) {
 	ctx := context.Background()
 	entries := func(from, to int64) []Entry {
 		var es []Entry
@@ -693,21 +710,177 @@ func TestStoreOffsets(t *testing.T) {
 		}
 		return es
 	}
-	if _, err := store.Insert(ctx, storeTopic, 2, entries(5, 9)); err != nil {
-		t.Fatal(err)
+	at := func(next int64, epoch int32) Position {
+		return Position{Topic: storeTopic, Partition: 2, Epoch: epoch, Next: next}
 	}
-	if _, err := store.Insert(ctx, storeTopic, 2, entries(0, 3)); err != nil {
-		t.Fatal(err)
+	type step struct {
+		pos     Position
+		from    int64 // offsets from..to
+		to      int64
+		moved   bool // want ErrPositionMoved
+		stored  int64
+		wantPos Position // the stored position after the step
 	}
-	got, err := store.Offsets(ctx, storeTopic, []int32{1, 2, 3})
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"first batch, then the next", []step{
+			{pos: at(NoPosition, 0), from: 0, to: 4, stored: 5, wantPos: at(5, 0)},
+			{pos: at(5, 0), from: 5, to: 9, stored: 5, wantPos: at(10, 0)},
+		}},
+		{"a gap in offsets (compaction, transaction markers) is no move", []step{
+			{pos: at(NoPosition, 0), from: 0, to: 4, stored: 5, wantPos: at(5, 0)},
+			{pos: at(5, 0), from: 8, to: 9, stored: 2, wantPos: at(10, 0)},
+		}},
+		{"a writer expecting no position finds one", []step{
+			{pos: at(NoPosition, 0), from: 0, to: 4, stored: 5, wantPos: at(5, 0)},
+			{pos: at(NoPosition, 0), from: 5, to: 9, moved: true, wantPos: at(5, 0)},
+		}},
+		{"the position went back under the writer", []step{
+			{pos: at(NoPosition, 0), from: 0, to: 4, stored: 5, wantPos: at(5, 0)},
+			{pos: at(9, 0), from: 9, to: 12, moved: true, wantPos: at(5, 0)},
+		}},
+		{"another writer stored past it", []step{
+			{pos: at(NoPosition, 0), from: 0, to: 9, stored: 10, wantPos: at(10, 0)},
+			{pos: at(5, 0), from: 5, to: 9, moved: true, wantPos: at(10, 0)},
+		}},
+		{"another epoch", []step{
+			{pos: at(NoPosition, 0), from: 0, to: 4, stored: 5, wantPos: at(5, 0)},
+			{pos: at(5, 1), from: 5, to: 9, moved: true, wantPos: at(5, 0)},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			db := pgtest.NewDB(t)
+			store := NewStore(db.Pool, nil)
+			for i, st := range tt.steps {
+				before := countRows(t, db.Pool)
+				n, err := store.Insert(ctx, st.pos, entries(st.from, st.to))
+				if st.moved {
+					if !errors.Is(err, ErrPositionMoved) {
+						t.Fatalf("step %d: Insert after %v = %v, want ErrPositionMoved", i+1, st.pos, err)
+					}
+					if after := countRows(t, db.Pool); after != before {
+						t.Errorf("step %d: %d rows stored by a refused batch", i+1, after-before)
+					}
+				} else if err != nil || n.Stored != st.stored {
+					t.Fatalf("step %d: Insert after %v = %+v, %v; want %d stored", i+1, st.pos, n, err, st.stored)
+				}
+				got, err := store.Positions(ctx, storeTopic, []int32{1, 2, 3})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(got) != 1 || got[2].Position != st.wantPos {
+					t.Fatalf("step %d: Positions = %+v, want only partition 2 at %v", i+1, got, st.wantPos)
+				}
+			}
+		})
+	}
+}
+
+// A partition re-created in Kafka reuses offsets: under a new epoch, a
+// record at an offset stored before is a new record, not a duplicate.
+func TestStoreEpochTellsReusedOffsets(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	store := NewStore(db.Pool, nil)
+	batch := func(v string) []Entry {
+		return []Entry{{Offset: 0, Record: Record{Value: []byte(v)}, Schedule: Schedule{Target: "orders.retry", Delay: time.Hour}},
+			{Offset: 1, Record: Record{Value: []byte(v)}, Schedule: Schedule{Target: "orders.retry", Delay: time.Hour}}}
+	}
+	old := Position{Topic: storeTopic, Partition: 0, Next: NoPosition}
+	if n, err := store.Insert(ctx, old, batch("old")); err != nil || n.Stored != 2 {
+		t.Fatalf("Insert of the old topic's records = %+v, %v", n, err)
+	}
+	old.Next = 2
+	reset := Position{Topic: storeTopic, Partition: 0, Epoch: 1, Next: 0}
+	if err := store.SetPosition(ctx, old, reset, "new-topic-id"); err != nil {
+		t.Fatalf("SetPosition to the new epoch: %v", err)
+	}
+	// The same move again finds the position moved: nothing changes twice.
+	if err := store.SetPosition(ctx, old, reset, "new-topic-id"); !errors.Is(err, ErrPositionMoved) {
+		t.Fatalf("second SetPosition = %v, want ErrPositionMoved", err)
+	}
+	if n, err := store.Insert(ctx, reset, batch("new")); err != nil || n.Stored != 2 {
+		t.Fatalf("Insert of the new topic's records at the same offsets = %+v, %v; want 2 stored", n, err)
+	}
+	var epochs []int32
+	rows, err := db.Pool.Query(ctx, "SELECT source_epoch FROM deferred_message WHERE source_offset = 0 ORDER BY source_epoch")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got) != 1 || got[2] != 10 {
-		t.Fatalf("Offsets = %v, want map[2:10] (partitions never ingested are absent; an older batch does not move it back)", got)
+	for rows.Next() {
+		var e int32
+		if err := rows.Scan(&e); err != nil {
+			t.Fatal(err)
+		}
+		epochs = append(epochs, e)
 	}
-	if other, err := store.Offsets(ctx, "other.topic", []int32{2}); err != nil || len(other) != 0 {
-		t.Fatalf("Offsets of another topic = %v, %v; want none", other, err)
+	if len(epochs) != 2 || epochs[0] != 0 || epochs[1] != 1 {
+		t.Errorf("rows at offset 0 have epochs %v, want [0 1]", epochs)
+	}
+	got, err := store.Positions(ctx, storeTopic, []int32{0})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := StoredPosition{Position: Position{Topic: storeTopic, Partition: 0, Epoch: 1, Next: 2}, TopicID: "new-topic-id"}
+	if got[0] != want {
+		t.Errorf("Positions = %+v, want %+v", got[0], want)
+	}
+	// SetPosition creates a position where none is stored, once.
+	none := Position{Topic: storeTopic, Partition: 5, Next: NoPosition}
+	if err := store.SetPosition(ctx, none, Position{Topic: storeTopic, Partition: 5, Next: 7}, ""); err != nil {
+		t.Fatalf("SetPosition creating a position: %v", err)
+	}
+	if err := store.SetPosition(ctx, none, Position{Topic: storeTopic, Partition: 5, Next: 9}, ""); !errors.Is(err, ErrPositionMoved) {
+		t.Fatalf("SetPosition creating it again = %v, want ErrPositionMoved", err)
+	}
+}
+
+// A database that went back in time draws ids and seqs again that messages
+// published since carried. Insert moves both sequences past the highest the
+// process has seen before it draws any, and raises the marks to what it
+// stored; marks the sequences are already past change nothing.
+func TestStoreInsertKeepsSequencesPastMarks(t *testing.T) {
+	ctx := context.Background()
+	db := pgtest.NewDB(t)
+	marks := &highwater.Marks{}
+	store := NewStore(db.Pool, marks)
+	entry := func(off int64) []Entry {
+		return []Entry{{Offset: off, Record: Record{Value: []byte("v")}, Schedule: Schedule{Target: "orders.retry", BusinessKey: "k", Ordered: true, Delay: time.Hour}}}
+	}
+	idSeq := func(off int64) (int64, int64) {
+		t.Helper()
+		var id, seq int64
+		if err := db.Pool.QueryRow(ctx, "SELECT id, seq FROM deferred_message WHERE source_offset = $1", off).Scan(&id, &seq); err != nil {
+			t.Fatal(err)
+		}
+		return id, seq
+	}
+	pos := Position{Topic: storeTopic, Partition: 0, Next: NoPosition}
+	if _, err := store.Insert(ctx, pos, entry(0)); err != nil {
+		t.Fatal(err)
+	}
+	id0, seq0 := idSeq(0)
+	if id, seq := marks.Get(); id != id0 || seq != seq0 {
+		t.Errorf("marks after an insert = %d, %d; want the stored row's %d, %d", id, seq, id0, seq0)
+	}
+	pos.Next = 1
+	if _, err := store.Insert(ctx, pos, entry(1)); err != nil {
+		t.Fatal(err)
+	}
+	if id, seq := idSeq(1); id != id0+1 || seq != seq0+1 {
+		t.Errorf("next row = %d, %d; want %d, %d: marks the sequences are past move nothing", id, seq, id0+1, seq0+1)
+	}
+	// What a process remembers of ids handed out before the database went back.
+	marks.Observe(5000, 7000)
+	pos.Next = 2
+	if _, err := store.Insert(ctx, pos, entry(2)); err != nil {
+		t.Fatal(err)
+	}
+	if id, seq := idSeq(2); id <= 5000 || seq <= 7000 {
+		t.Errorf("row stored after marks 5000, 7000 = %d, %d; want both past the marks", id, seq)
 	}
 }
 
@@ -717,7 +890,7 @@ func TestStoreOffsets(t *testing.T) {
 // depend on the machine.
 func BenchmarkStoreInsert(b *testing.B) {
 	db := pgtest.NewDB(b)
-	store := NewStore(db.Pool)
+	store := NewStore(db.Pool, nil)
 	rules := testRules()
 	entries := make([]Entry, 1000)
 	for i := range entries {
@@ -729,6 +902,7 @@ func BenchmarkStoreInsert(b *testing.B) {
 		}
 		entries[i] = Entry{Record: rec, Schedule: sc}
 	}
+	pos := Position{Topic: "scheduler.defer", Next: NoPosition}
 	var offset int64
 	b.ReportAllocs()
 	for b.Loop() {
@@ -736,8 +910,9 @@ func BenchmarkStoreInsert(b *testing.B) {
 			entries[i].Offset = offset
 			offset++
 		}
-		if _, err := store.Insert(b.Context(), "scheduler.defer", 0, entries); err != nil {
+		if _, err := store.Insert(b.Context(), pos, entries); err != nil {
 			b.Fatal(err)
 		}
+		pos.Next = offset
 	}
 }

@@ -31,6 +31,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/backoff"
 	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/highwater"
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/metrics"
 )
@@ -57,6 +58,10 @@ type Config struct {
 	// which some key had more due messages than it could take (see
 	// claimSize).
 	RoundMessages int
+	// Marks (nil: none) remembers the highest id and seq this process has
+	// seen: every claim raises it, and the Runtime's heartbeat moves the
+	// database's sequences past it (see internal/highwater).
+	Marks *highwater.Marks
 	// MaxMessageBytes is the producer's Producer.MaxMessageBytes; zero means
 	// sarama's default (1 MiB). A message larger than that is parked before
 	// the publish rather than refused by the producer, so that when it holds
@@ -274,9 +279,14 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	d.longRuns = slices.ContainsFunc(claims, func(c keylock.Claim) bool { return len(c.Messages) >= perKey })
 	// A failure here must not strand the keys claimed above: they are
 	// published and finalized, and the error is returned after.
-	limitedClaims, st, limitErr := d.claimLimited(ctx)
+	limitedClaims, st, limitErr := d.claimLimited(ctx, d.locker.MaxBytes()-keylock.Bytes(claims))
 	claims = append(claims, limitedClaims...)
 	st.Keys = len(claims)
+	for _, c := range claims {
+		for _, m := range c.Messages {
+			d.cfg.Marks.Observe(m.ID, m.Seq)
+		}
+	}
 	if len(claims) == 0 {
 		return st, limitErr
 	}
@@ -444,8 +454,11 @@ func (d *Dispatcher) limitedTargets(ctx context.Context) ([]string, error) {
 // most that many heads of each, and gives back the tokens it could not use
 // (heads held by other loops, or gone). The stats say whether any limited
 // target had due work and how long until the next token. When no target is
-// limited it costs nothing but a cached lookup.
-func (d *Dispatcher) claimLimited(ctx context.Context) ([]keylock.Claim, RoundStats, error) {
+// limited it costs nothing but a cached lookup. The claims share maxBytes,
+// what the round's byte budget leaves after its main claim; each target's
+// claim returns at least one message even when nothing is left of it, so a
+// round holds at most its budget plus one message per limited target.
+func (d *Dispatcher) claimLimited(ctx context.Context, maxBytes int) ([]keylock.Claim, RoundStats, error) {
 	var st RoundStats
 	targets, err := d.limitedTargets(ctx)
 	if err != nil || len(targets) == 0 {
@@ -466,10 +479,11 @@ func (d *Dispatcher) claimLimited(ctx context.Context) ([]keylock.Claim, RoundSt
 		if g.Taken == 0 {
 			continue
 		}
-		got, err := d.locker.ClaimTarget(ctx, g.Taken, g.Target)
+		got, err := d.locker.ClaimTarget(ctx, g.Taken, g.Target, max(1, maxBytes))
 		if err != nil {
 			errs = append(errs, err)
 		}
+		maxBytes -= keylock.Bytes(got)
 		claims = append(claims, got...)
 		unused[g.Target] = g.Taken - len(got)
 	}

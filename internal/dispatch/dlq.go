@@ -32,6 +32,10 @@ import (
 const (
 	dlqPoll  = time.Second
 	dlqBatch = 100
+	// dlqBatchBytes bounds the bytes of the copies one round holds (see
+	// dlq_claim.sql): a hundred records near Kafka's 1 MB limit would
+	// otherwise be a hundred megabytes. The first copy always comes.
+	dlqBatchBytes = 4 << 20
 	// A copy that failed is retried after a back-off of its own, doubling
 	// from dlqRetryBase up to dlqRetryMax, so that a copy that cannot be
 	// published (its topic does not exist) does not hold up the others. The
@@ -50,6 +54,8 @@ type deadLetters struct {
 	logger   *slog.Logger
 	metrics  *metrics.Metrics
 	batch    int
+	// batchBytes bounds the bytes of one round's copies.
+	batchBytes int
 	// lease is how long a claimed copy is this publisher's
 	// (deferred_message.dlq_leased_until); it must outlast the longest
 	// publish, or another publisher could send the copy a second time.
@@ -69,13 +75,17 @@ type dlqFailure struct {
 }
 
 func newDeadLetters(pool *pgxpool.Pool, producer Producer, m *metrics.Metrics, lease time.Duration, logger *slog.Logger) *deadLetters {
-	return &deadLetters{pool: pool, producer: producer, logger: logger, metrics: m, batch: dlqBatch, lease: lease,
+	return &deadLetters{pool: pool, producer: producer, logger: logger, metrics: m, batch: dlqBatch,
+		batchBytes: dlqBatchBytes, lease: lease,
 		now: time.Now, failing: map[int64]dlqFailure{}}
 }
 
 // dlqResult is what one publish round did.
 type dlqResult struct {
 	claimed, published, failed int
+	// full says the round took all it could hold, by count or by bytes:
+	// more may be waiting.
+	full bool
 }
 
 // run publishes copies until ctx is done. wake, when it receives, makes it
@@ -95,7 +105,7 @@ func (dl *deadLetters) run(ctx context.Context, wake <-chan struct{}) {
 				dl.logger.Warn("publishing dead-letter copies failed", "error", err, "consecutive", failures)
 			}
 			wait, wakeable = backoff.Exp(failures, dlqRetryBase, dlqBackoffMax), false
-		case res.claimed == dl.batch && res.failed == 0:
+		case res.full && res.failed == 0:
 			failures = 0
 			continue // a full batch: more may be waiting
 		default:
@@ -135,11 +145,12 @@ func (dl *deadLetters) publishOnce(ctx context.Context) (dlqResult, error) {
 		}
 	}
 
-	parked, err := claimDeadLetters(ctx, dl.pool, dl.batch, dl.lease)
+	parked, err := claimDeadLetters(ctx, dl.pool, dl.batch, dl.batchBytes, dl.lease)
 	if err != nil {
 		return res, err
 	}
 	res.claimed = len(parked)
+	res.full = len(parked) == dl.batch || parkedBytes(parked) >= dl.batchBytes
 	if len(parked) == 0 {
 		return res, nil
 	}
@@ -243,10 +254,22 @@ func (r *dlqRows) add(p Parked) {
 	r.ids, r.parkedAt = append(r.ids, p.ID), append(r.parkedAt, at)
 }
 
-// claimDeadLetters runs dlq_claim.sql: it leases up to limit copies for
-// lease and returns them.
-func claimDeadLetters(ctx context.Context, pool *pgxpool.Pool, limit int, lease time.Duration) ([]Parked, error) {
-	rows, err := pool.Query(ctx, schedsql.DLQClaim, limit, lease)
+// parkedBytes counts the copies' bytes as dlq_claim.sql does.
+func parkedBytes(parked []Parked) int {
+	n := 0
+	for _, p := range parked {
+		n += len(p.Key) + len(p.Value)
+		for _, h := range p.Headers {
+			n += len(h.Value)
+		}
+	}
+	return n
+}
+
+// claimDeadLetters runs dlq_claim.sql: it leases up to limit copies, within
+// maxBytes, for lease and returns them.
+func claimDeadLetters(ctx context.Context, pool *pgxpool.Pool, limit, maxBytes int, lease time.Duration) ([]Parked, error) {
+	rows, err := pool.Query(ctx, schedsql.DLQClaim, limit, lease, int64(max(1, maxBytes)))
 	if err != nil {
 		return nil, fmt.Errorf("claim dead-letter copies: %w", err)
 	}

@@ -258,7 +258,7 @@ func TestDeadLetterLeases(t *testing.T) {
 	)
 	e.exec("UPDATE deferred_message SET state = 'parked', reason = 'permanent: x'")
 	// A publisher that claims one copy and dies before publishing it.
-	crashed, err := claimDeadLetters(context.Background(), e.pool, 1, time.Hour)
+	crashed, err := claimDeadLetters(context.Background(), e.pool, 1, dlqBatchBytes, time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}

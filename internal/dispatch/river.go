@@ -87,6 +87,10 @@ type RuntimeConfig struct {
 	Lease time.Duration
 	// PerKey caps the messages of one key published per claim.
 	PerKey int
+	// RoundBytes caps the bytes of messages (record keys, values and header
+	// values) one loop's round reads and holds; zero means
+	// keylock.DefaultMaxBytes. A round always takes at least one message.
+	RoundBytes int
 	// MaintenanceInterval is how often housekeeping runs.
 	MaintenanceInterval time.Duration
 	// PollOnly makes River poll instead of LISTEN (PgBouncer transaction mode).
@@ -205,7 +209,7 @@ const (
 // Start registers this process as alive, starts River, reaps loops of dead
 // processes and makes sure every loop slot exists.
 func (rt *Runtime) Start(ctx context.Context) error {
-	if _, err := rt.pool.Exec(ctx, schedsql.InstanceHeartbeat, rt.client.ID()); err != nil {
+	if err := rt.beat(ctx); err != nil {
 		return fmt.Errorf("register instance: %w", err)
 	}
 	rt.countJobOutcomes()
@@ -296,7 +300,7 @@ func (rt *Runtime) heartbeat(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		if _, err := rt.pool.Exec(ctx, schedsql.InstanceHeartbeat, rt.client.ID()); err != nil && ctx.Err() == nil {
+		if err := rt.beat(ctx); err != nil && ctx.Err() == nil {
 			rt.logger.Warn("heartbeat failed", "error", err)
 			continue
 		}
@@ -306,6 +310,20 @@ func (rt *Runtime) heartbeat(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// beat marks this process alive, moves the database's id and seq sequences
+// past the highest this process has seen if they went back (a rewound
+// database), and remembers their values.
+func (rt *Runtime) beat(ctx context.Context) error {
+	marks := rt.cfg.Dispatch.Marks
+	minID, minSeq := marks.Get()
+	var id, seq int64
+	if err := rt.pool.QueryRow(ctx, schedsql.InstanceHeartbeat, rt.client.ID(), minID, minSeq).Scan(&id, &seq); err != nil {
+		return err
+	}
+	marks.Observe(id, seq)
+	return nil
 }
 
 // reap discards loop jobs held by processes that stopped heartbeating and,
@@ -442,9 +460,10 @@ func (w *loopWorker) NextRetry(*river.Job[LoopArgs]) time.Time { return time.Now
 func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
 	rt := w.rt
 	locker, err := keylock.New(rt.pool, keylock.Config{
-		Owner:  fmt.Sprintf("%s/loop-%d/job-%d", rt.cfg.Instance, job.Args.Slot, job.ID),
-		Lease:  rt.cfg.Lease,
-		PerKey: rt.cfg.PerKey,
+		Owner:    fmt.Sprintf("%s/loop-%d/job-%d", rt.cfg.Instance, job.Args.Slot, job.ID),
+		Lease:    rt.cfg.Lease,
+		PerKey:   rt.cfg.PerKey,
+		MaxBytes: rt.cfg.RoundBytes,
 	})
 	if err != nil {
 		return err

@@ -94,9 +94,12 @@ type Config struct {
 	Lease time.Duration
 	// PerKey caps the messages read for one key per claim.
 	PerKey int
-	// MaxBytes caps the bytes of keys, values and headers one claim keeps in
-	// memory; keys beyond it are given back at once, unread. Zero means
-	// DefaultMaxBytes. A key's first message is always kept, whatever its size.
+	// MaxBytes caps the bytes (record keys, values and header values, see
+	// Bytes) of the messages one claim reads; the claim statement applies
+	// it, so that what is beyond it never leaves the database. A key cut
+	// part-way keeps the first messages of its run; a key cut entirely is
+	// given back at once. The claim's first message always comes back,
+	// whatever its size. Zero means DefaultMaxBytes.
 	MaxBytes int
 	// BackoffBase and BackoffMax bound the back-off of a key after retriable
 	// failures: BackoffBase doubled per consecutive failure, at most
@@ -104,8 +107,9 @@ type Config struct {
 	BackoffBase, BackoffMax time.Duration
 }
 
-// DefaultMaxBytes is the default memory budget of one claim.
-const DefaultMaxBytes = 16 << 20
+// DefaultMaxBytes is the default memory budget of one claim (the default
+// of DISPATCH_ROUND_BYTES).
+const DefaultMaxBytes = 8 << 20
 
 // New returns a Locker.
 func New(pool *pgxpool.Pool, cfg Config) (*Locker, error) {
@@ -138,14 +142,14 @@ func (l *Locker) Lease() time.Duration { return l.cfg.Lease }
 // vanished (an operator changed them after the head was read) is released at
 // once and not returned.
 func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
-	return l.claim(ctx, maxKeys, l.cfg.PerKey, nil)
+	return l.claim(ctx, maxKeys, l.cfg.PerKey, l.cfg.MaxBytes, nil)
 }
 
 // ClaimRuns is Claim reading at most perKey messages per key (at most
 // Config.PerKey): a caller bounding the messages of one claim trades keys
 // for run length with it.
 func (l *Locker) ClaimRuns(ctx context.Context, maxKeys, perKey int) ([]Claim, error) {
-	return l.claim(ctx, maxKeys, max(1, min(perKey, l.cfg.PerKey)), nil)
+	return l.claim(ctx, maxKeys, max(1, min(perKey, l.cfg.PerKey)), l.cfg.MaxBytes, nil)
 }
 
 // PerKey returns Config.PerKey.
@@ -154,9 +158,30 @@ func (l *Locker) PerKey() int { return l.cfg.PerKey }
 // ClaimTarget leases up to maxKeys due keys whose head goes to target, which
 // must not be paused, and returns them with one message each: the caller
 // took one token of the target's rate limit per key it asks for (see
-// TakeTokens), and one token pays for one message.
-func (l *Locker) ClaimTarget(ctx context.Context, maxKeys int, target string) ([]Claim, error) {
-	return l.claim(ctx, maxKeys, 1, &target)
+// TakeTokens), and one token pays for one message. The messages come within
+// maxBytes (at least one message comes back, whatever its size); keys beyond
+// it are given back, and their tokens are the caller's to return.
+func (l *Locker) ClaimTarget(ctx context.Context, maxKeys int, target string, maxBytes int) ([]Claim, error) {
+	return l.claim(ctx, maxKeys, 1, maxBytes, &target)
+}
+
+// MaxBytes returns Config.MaxBytes.
+func (l *Locker) MaxBytes() int { return l.cfg.MaxBytes }
+
+// Bytes returns what the messages of claims count against a claim's byte
+// budget: record keys, values and header values, as the claim statement
+// counts them.
+func Bytes(claims []Claim) int {
+	n := 0
+	for _, c := range claims {
+		for _, m := range c.Messages {
+			n += len(m.Key) + len(m.Value)
+			for _, h := range m.Headers {
+				n += len(h.Value)
+			}
+		}
+	}
+	return n
 }
 
 // claim runs dispatch_claim.sql or, if only is not nil, dispatch_claim_target.sql
@@ -164,8 +189,11 @@ func (l *Locker) ClaimTarget(ctx context.Context, maxKeys int, target string) ([
 // each names its partial index's predicate (deferred_key.throttled) as a
 // constant, so that even a generic plan of the prepared statement can use
 // that index.
-func (l *Locker) claim(ctx context.Context, maxKeys, perKey int, only *string) ([]Claim, error) {
-	query, args := schedsql.DispatchClaim, []any{maxKeys, l.cfg.Lease, perKey, l.cfg.Owner}
+//
+// maxBytes is applied by the statement ($5): rows past it come back with
+// their key only (id NULL), and such keys are released here.
+func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only *string) ([]Claim, error) {
+	query, args := schedsql.DispatchClaim, []any{maxKeys, l.cfg.Lease, perKey, l.cfg.Owner, int64(max(1, maxBytes))}
 	if only != nil {
 		query, args = schedsql.DispatchClaimTarget, append(args, *only)
 	}
@@ -179,7 +207,6 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey int, only *string) (
 	defer rows.Close()
 
 	var claims, empty []Claim
-	var bytes int
 	for rows.Next() {
 		var (
 			businessKey *string
@@ -205,21 +232,7 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey int, only *string) (
 			empty = append(empty, c)
 			continue
 		}
-		size := len(key) + len(value)
-		for i := range hkeys {
-			size += len(hkeys[i]) + len(hvals[i])
-		}
-		continuing := len(claims) > 0 && sameClaim(claims[len(claims)-1], c)
-		if bytes+size > l.cfg.MaxBytes && bytes > 0 {
-			// Over budget: a key already started keeps the messages it has (a
-			// prefix is a valid run); a new key is given back untouched.
-			if !continuing && (len(empty) == 0 || !sameClaim(empty[len(empty)-1], c)) {
-				empty = append(empty, c)
-			}
-			continue
-		}
-		bytes += size
-		if !continuing {
+		if len(claims) == 0 || !sameClaim(claims[len(claims)-1], c) {
 			claims = append(claims, c)
 		}
 		m := Message{ID: *id, Seq: *seq, Target: *target, NextRunAt: *nextRunAt, Attempt: *attempt,

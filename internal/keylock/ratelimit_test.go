@@ -265,7 +265,7 @@ func TestClaimTarget(t *testing.T) {
 	if got, want := claimSummary(t, main), []string{"d:6"}; !slices.Equal(got, want) {
 		t.Errorf("main claim = %q, want %q (the limited target skipped)", got, want)
 	}
-	limited, err := l.ClaimTarget(t.Context(), 3, "lim")
+	limited, err := l.ClaimTarget(t.Context(), 3, "lim", keylock.DefaultMaxBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -274,7 +274,7 @@ func TestClaimTarget(t *testing.T) {
 	}
 
 	mustExec(t, db.Pool, `UPDATE target_control SET paused = true`)
-	if got, err := l.ClaimTarget(t.Context(), 10, "lim"); err != nil || len(got) > 0 {
+	if got, err := l.ClaimTarget(t.Context(), 10, "lim", keylock.DefaultMaxBytes); err != nil || len(got) > 0 {
 		t.Errorf("ClaimTarget of a paused target = %q, %v; want none", claimSummary(t, got), err)
 	}
 	mustExec(t, db.Pool, `UPDATE target_control SET paused = false, rate_limit = NULL`)

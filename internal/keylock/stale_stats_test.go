@@ -146,7 +146,7 @@ func runStep(t *testing.T, pool *pgxpool.Pool, s step, batch int, checkHeads boo
 
 	// The claim itself, then the step on what it claimed: the first
 	// message of each claimed key, or each unordered head.
-	rows, err := tx.Query(ctx, schedsql.DispatchClaim, batch, time.Minute, 1, "stale-stats")
+	rows, err := tx.Query(ctx, schedsql.DispatchClaim, batch, time.Minute, 1, "stale-stats", int64(keylock.DefaultMaxBytes))
 	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}

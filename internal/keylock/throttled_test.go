@@ -182,8 +182,8 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 		args    []any
 		max     int64
 	}{
-		{"main claim", nil, schedsql.DispatchClaim, []any{10, lease, 10, "me"}, 10},
-		{"limited target's claim", nil, schedsql.DispatchClaimTarget, []any{5, lease, 1, "me", "limited.t"}, 5},
+		{"main claim", nil, schedsql.DispatchClaim, []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes)}, 10},
+		{"limited target's claim", nil, schedsql.DispatchClaimTarget, []any{5, lease, 1, "me", int64(keylock.DefaultMaxBytes), "limited.t"}, 5},
 		{"next due", nil, schedsql.DispatchNextDue, nil, 20},
 		{"token peek", nil, schedsql.TargetPeekTokens, []any{[]string{"limited.t", "paused.t"}}, 5},
 		{"token take", nil, schedsql.TargetTakeTokens, []any{[]string{"limited.t"}, 5}, 5},
@@ -223,7 +223,7 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 			t.Fatalf("main claim took %q", c.BusinessKey)
 		}
 	}
-	limitedClaims, err := l.ClaimTarget(t.Context(), 5, "limited.t")
+	limitedClaims, err := l.ClaimTarget(t.Context(), 5, "limited.t", keylock.DefaultMaxBytes)
 	if err != nil {
 		t.Fatal(err)
 	}

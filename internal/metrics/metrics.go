@@ -46,6 +46,11 @@ type Metrics struct {
 	ingestBatchRecords  prometheus.Histogram
 	ingestBatchDuration prometheus.Histogram
 	ingestLag           *prometheus.GaugeVec
+	ingestRollbacks     prometheus.Counter
+	ingestReread        prometheus.Counter
+	ingestUnrecoverable prometheus.Counter
+	ingestResets        prometheus.Counter
+	ingestBuffered      prometheus.Gauge
 
 	published     *prometheus.CounterVec
 	publishErrors *prometheus.CounterVec
@@ -109,6 +114,26 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Name: IngestLag,
 			Help: "Records of the defer topic not yet stored, per partition this process consumes: high-water mark minus next offset, after each batch.",
 		}, []string{"partition"}),
+		ingestRollbacks: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: IngestRollbacks,
+			Help: "Times ingest found a partition's stored position behind where it had been: Postgres went back in time (a failover to a lagging replica, a restore). Ingest reads the partition again from there.",
+		}),
+		ingestReread: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: IngestReread,
+			Help: "Records of the defer topic read again because the stored position went back (see scheduler_ingest_rollbacks_total).",
+		}),
+		ingestUnrecoverable: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: IngestUnrecoverable,
+			Help: "Records the database lost that Kafka no longer has either: the stored position was below the partition's log start (retention deleted them). They are gone; the logs give the offset ranges.",
+		}),
+		ingestResets: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: IngestPartitionResets,
+			Help: "Partitions of the defer topic found re-created or truncated (high-water mark below the stored position, or a new topic id): ingest read them again from their start, under a new epoch.",
+		}),
+		ingestBuffered: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: IngestBufferedBytes,
+			Help: "Bytes of records ingest holds now: fetched and queued, batched, being written (INGEST_BUFFER_BYTES bounds it).",
+		}),
 		published: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: DispatchPublished,
 			Help: "Messages republished and acknowledged by the broker, by target topic.",
@@ -195,6 +220,7 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	m.dlqPublishErrors.WithLabelValues("retriable")
 	reg.MustRegister(
 		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
+		m.ingestRollbacks, m.ingestReread, m.ingestUnrecoverable, m.ingestResets, m.ingestBuffered,
 		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
 		m.messages, m.messagesDue, m.oldestDue, m.heldKeys, m.oldestTx, m.heldParked, m.dlqUnsent,
 		m.dlqPublished, m.dlqPublishErrors,
@@ -285,6 +311,40 @@ func (m *Metrics) DeleteLag(partition int32) {
 		return
 	}
 	m.ingestLag.DeleteLabelValues(strconv.Itoa(int(partition)))
+}
+
+// IngestRollback counts one stored position found behind where it had
+// been, and the records read again because of it.
+func (m *Metrics) IngestRollback(reread int64) {
+	if m == nil {
+		return
+	}
+	m.ingestRollbacks.Inc()
+	m.ingestReread.Add(float64(max(reread, 0)))
+}
+
+// IngestUnrecoverable counts n records lost for good: below the log start.
+func (m *Metrics) IngestUnrecoverable(n int64) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.ingestUnrecoverable.Add(float64(n))
+}
+
+// IngestPartitionReset counts one partition found re-created or truncated.
+func (m *Metrics) IngestPartitionReset() {
+	if m == nil {
+		return
+	}
+	m.ingestResets.Inc()
+}
+
+// SetIngestBuffered sets the bytes of records ingest holds.
+func (m *Metrics) SetIngestBuffered(n int64) {
+	if m == nil {
+		return
+	}
+	m.ingestBuffered.Set(float64(n))
 }
 
 // Published counts n messages acknowledged by the broker for target.

@@ -7,12 +7,24 @@ package metrics
 // Go and process collectors' (go_*, process_*) and promhttp's
 // (promhttp_*); a test checks that.
 const (
-	IngestRecords         = "scheduler_ingest_records_total"          // counter {result: stored|duplicate|rejected}
-	IngestRejected        = "scheduler_ingest_rejected_total"         // counter {reason: rejection code}
-	IngestParked          = "scheduler_ingest_parked_total"           // counter {reason: code}: parked at ingest by the retry rules
-	IngestBatchRecords    = "scheduler_ingest_batch_records"          // histogram
-	IngestBatchDuration   = "scheduler_ingest_batch_duration_seconds" // histogram
-	IngestLag             = "scheduler_ingest_lag_records"            // gauge {partition}: high-water mark minus next offset
+	IngestRecords       = "scheduler_ingest_records_total"          // counter {result: stored|duplicate|rejected}
+	IngestRejected      = "scheduler_ingest_rejected_total"         // counter {reason: rejection code}
+	IngestParked        = "scheduler_ingest_parked_total"           // counter {reason: code}: parked at ingest by the retry rules
+	IngestBatchRecords  = "scheduler_ingest_batch_records"          // histogram
+	IngestBatchDuration = "scheduler_ingest_batch_duration_seconds" // histogram
+	IngestLag           = "scheduler_ingest_lag_records"            // gauge {partition}: high-water mark minus next offset
+	// IngestRollbacks counts the times ingest found a partition's stored
+	// position behind where it had been (Postgres went back in time), and
+	// IngestReread the records it reads again because of that.
+	IngestRollbacks = "scheduler_ingest_rollbacks_total"      // counter
+	IngestReread    = "scheduler_ingest_reread_records_total" // counter
+	// IngestUnrecoverable counts records the database lost that Kafka no
+	// longer has either (the stored position is below the log start).
+	IngestUnrecoverable = "scheduler_ingest_unrecoverable_records_total" // counter
+	// IngestPartitionResets counts partitions found re-created or truncated
+	// (high-water mark below the stored position, or a new topic id).
+	IngestPartitionResets = "scheduler_ingest_partition_resets_total" // counter
+	IngestBufferedBytes   = "scheduler_ingest_buffered_bytes"         // gauge: record bytes ingest holds (INGEST_BUFFER_BYTES bounds it)
 	DispatchPublished     = "scheduler_dispatch_published_total"      // counter {target}
 	DispatchPublishErrors = "scheduler_dispatch_publish_errors_total" // counter {target, kind}
 	DispatchParked        = "scheduler_dispatch_parked_total"         // counter {target, reason: code}
@@ -44,6 +56,7 @@ const (
 func Names() []string {
 	return []string{
 		IngestRecords, IngestRejected, IngestParked, IngestBatchRecords, IngestBatchDuration, IngestLag,
+		IngestRollbacks, IngestReread, IngestUnrecoverable, IngestPartitionResets, IngestBufferedBytes,
 		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration,
 		Messages, MessagesDue, OldestDue, HeldKeys, KeysHeldParked, DLQPublished, DLQPublishErrors, DLQUnsent,
 		DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,

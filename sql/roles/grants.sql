@@ -14,8 +14,11 @@
 --     pause a target, and the heads follow, but cannot UPDATE deferred_key
 --     itself;
 --   - deferred_queue_analyze, which the service calls to ANALYZE the queue
---     tables when their statistics fall behind, runs as the owner too, with
---     its search_path pinned the same way;
+--     tables when their statistics fall behind, and
+--     deferred_sequences_advance, which it calls to move the id and seq
+--     sequences past what it has seen after the database went back in
+--     time, run as the owner too, with their search_path pinned the same
+--     way;
 --   - objects the owner had before roles.sql set its default privileges (a
 --     database migrated before the roles existed, then handed to the owner)
 --     get the same grants as new ones.
@@ -90,11 +93,14 @@ WHERE t.tgrelid IN (format('%I.deferred_message', :'schema')::regclass, format('
   AND t.tgtype & 2 = 0 -- not BEFORE
 \gexec
 
--- deferred_queue_analyze (migration 0003) is SECURITY DEFINER already, since
--- ANALYZE needs the owner; its search_path is pinned the same way.
+-- deferred_queue_analyze (migration 0003) and deferred_sequences_advance
+-- (migration 0005) are SECURITY DEFINER already, since ANALYZE needs the
+-- owner and setval UPDATE on the sequences; their search_path is pinned the
+-- same way.
 SELECT format('ALTER FUNCTION %s SET search_path = %I, pg_temp', p.oid::regprocedure, :'schema')
 FROM pg_proc p
-WHERE p.proname = 'deferred_queue_analyze' AND p.pronamespace = :'schema'::regnamespace
+WHERE p.proname IN ('deferred_queue_analyze', 'deferred_sequences_advance')
+  AND p.pronamespace = :'schema'::regnamespace
 \gexec
 
 COMMIT;

@@ -1,0 +1,37 @@
+package main
+
+import "testing"
+
+// The service sets Go's soft memory limit from its byte budgets, unless the
+// operator set GOMEMLIMIT.
+func TestMemoryLimit(t *testing.T) {
+	defaults, err := loadConfig(withEnv())
+	if err != nil {
+		t.Fatal(err)
+	}
+	bigger := defaults
+	bigger.IngestBufferBytes = 256 << 20
+	bigger.DispatchLoops = 8
+	tests := []struct {
+		name       string
+		cfg        config
+		gomemlimit string
+		want       int64
+		set        bool
+	}{
+		{"defaults", defaults, "", 64<<20 + 2*32<<20 + 3*4*8<<20, true},
+		{"larger budgets raise it", bigger, "", 64<<20 + 2*256<<20 + 3*8*8<<20, true},
+		{"GOMEMLIMIT wins", defaults, "1GiB", 0, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, set := memoryLimit(tt.cfg, tt.gomemlimit)
+			if got != tt.want || set != tt.set {
+				t.Errorf("memoryLimit = %d, %v; want %d, %v", got, set, tt.want, tt.set)
+			}
+		})
+	}
+	if got, _ := memoryLimit(defaults, ""); got > 256_000_000 {
+		t.Errorf("the default limit %d bytes is above the documented 256 MB bound", got)
+	}
+}
