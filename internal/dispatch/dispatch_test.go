@@ -486,6 +486,60 @@ func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
 	}
 }
 
+// A database that went back in time brings back the running row of a loop
+// run that has ended since, attributed to a process that is alive: the
+// heartbeat alone would never reap it, and the slot would wait for River's
+// rescuer. The process reaps what the database says runs on it and does
+// not, and re-creates the slot; the loop it does run is left alone.
+func TestRuntimeReapsLoopsTheDatabaseSaysRunHere(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	rt, err := NewRuntime(e.pool, e.producer, nil, RuntimeConfig{
+		Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Hour,
+		Dispatch:            Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: allowAll},
+	}, testLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Stop(ctx)
+	kind := LoopArgs{}.Kind()
+	var running int64
+	eventually(t, 10*time.Second, "the loop running", func() bool {
+		return e.pool.QueryRow(ctx, "SELECT id FROM river_job WHERE kind = $1 AND state = 'running'", kind).Scan(&running) == nil
+	})
+	// The rewound database: the running job unknown, an older run of the
+	// slot running on this process since a minute.
+	if _, err := e.pool.Exec(ctx, "DELETE FROM river_job WHERE id = $1", running); err != nil {
+		t.Fatal(err)
+	}
+	old, err := rt.client.Insert(ctx, LoopArgs{Slot: 0}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1,
+		attempted_at = now() - interval '1 minute', attempted_by = ARRAY[$2::text] WHERE id = $1`,
+		old.Job.ID, rt.client.ID()); err != nil {
+		t.Fatal(err)
+	}
+	var state string
+	eventually(t, 10*time.Second, "the stale run reaped", func() bool {
+		return e.pool.QueryRow(ctx, "SELECT state FROM river_job WHERE id = $1", old.Job.ID).Scan(&state) == nil &&
+			state == "discarded"
+	})
+	var waiting int
+	eventually(t, 10*time.Second, "the slot re-created", func() bool {
+		return e.pool.QueryRow(ctx, `SELECT count(*) FROM river_job WHERE kind = $1 AND id <> $2
+			AND state IN ('available', 'running')`, kind, old.Job.ID).Scan(&waiting) == nil && waiting == 1
+	})
+	if ids := rt.runningLoops(); len(ids) != 1 || ids[0] != running {
+		t.Errorf("running loops %v, want the one that was running, %d", ids, running)
+	}
+}
+
 // A due head that someone holds locked (an operator's open transaction) can
 // be neither claimed nor slept past; the loop must still not spin.
 func TestLockedDueHeadDoesNotSpin(t *testing.T) {

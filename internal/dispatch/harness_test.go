@@ -265,3 +265,16 @@ func fmtIDs(ms []*sarama.ConsumerMessage) string {
 	}
 	return s
 }
+
+// eventually calls cond until it returns true, failing the test after
+// within.
+func eventually(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %v waiting for %s", within, what)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}

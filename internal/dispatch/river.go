@@ -126,6 +126,11 @@ type Runtime struct {
 	unsubscribe func()
 	eventsDone  chan struct{}
 
+	// running holds the ids of the loop jobs this process runs, for reap;
+	// runningMu guards it.
+	runningMu sync.Mutex
+	running   map[int64]struct{}
+
 	afterPublish func() error // test hook, see Dispatcher
 }
 
@@ -326,10 +331,44 @@ func (rt *Runtime) beat(ctx context.Context) error {
 	return nil
 }
 
-// reap discards loop jobs held by processes that stopped heartbeating and,
-// if there were any, re-creates their slots.
+// orphanAfter is how long a loop job the database says runs on this process
+// may go without this process running it before it is reaped: River starts a
+// job it fetched at once, so this only spares the instant in between.
+const orphanAfter = 10 * time.Second
+
+// runningLoops returns the ids of the loop jobs this process runs.
+func (rt *Runtime) runningLoops() []int64 {
+	rt.runningMu.Lock()
+	defer rt.runningMu.Unlock()
+	ids := make([]int64, 0, len(rt.running))
+	for id := range rt.running {
+		ids = append(ids, id)
+	}
+	return ids
+}
+
+// loopRunning records that this process runs loop job id until the returned
+// func is called.
+func (rt *Runtime) loopRunning(id int64) func() {
+	rt.runningMu.Lock()
+	defer rt.runningMu.Unlock()
+	if rt.running == nil {
+		rt.running = map[int64]struct{}{}
+	}
+	rt.running[id] = struct{}{}
+	return func() {
+		rt.runningMu.Lock()
+		defer rt.runningMu.Unlock()
+		delete(rt.running, id)
+	}
+}
+
+// reap discards loop jobs held by processes that stopped heartbeating, and
+// loop jobs the database says run here that do not (see
+// dispatch_reap_loops.sql) and, if there were any, re-creates their slots.
 func (rt *Runtime) reap(ctx context.Context) error {
-	rows, err := rt.pool.Query(ctx, schedsql.DispatchReapLoops, LoopArgs{}.Kind(), staleAfter)
+	rows, err := rt.pool.Query(ctx, schedsql.DispatchReapLoops, LoopArgs{}.Kind(), staleAfter,
+		rt.client.ID(), orphanAfter, rt.runningLoops())
 	if err != nil {
 		return fmt.Errorf("reap dispatch loops: %w", err)
 	}
@@ -337,11 +376,17 @@ func (rt *Runtime) reap(ctx context.Context) error {
 	for rows.Next() {
 		var id int64
 		var holder *string
-		if err := rows.Scan(&id, &holder); err != nil {
+		var ours bool
+		if err := rows.Scan(&id, &holder, &ours); err != nil {
 			rows.Close()
 			return fmt.Errorf("reap dispatch loops: %w", err)
 		}
 		reaped++
+		if ours {
+			rt.logger.Warn("reaped dispatch loop the database says runs here, which does not: the database went back in time",
+				"job", id)
+			continue
+		}
 		rt.logger.Warn("reaped dispatch loop of a process that stopped heartbeating", "job", id, "holder", holder)
 	}
 	if err := rows.Err(); err != nil {
@@ -459,6 +504,7 @@ func (w *loopWorker) NextRetry(*river.Job[LoopArgs]) time.Time { return time.Now
 
 func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
 	rt := w.rt
+	defer rt.loopRunning(job.ID)()
 	locker, err := keylock.New(rt.pool, keylock.Config{
 		Owner:    fmt.Sprintf("%s/loop-%d/job-%d", rt.cfg.Instance, job.Args.Slot, job.ID),
 		Lease:    rt.cfg.Lease,
