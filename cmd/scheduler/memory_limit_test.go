@@ -19,8 +19,8 @@ func TestMemoryLimit(t *testing.T) {
 		want       int64
 		set        bool
 	}{
-		{"defaults", defaults, "", 64<<20 + 2*32<<20 + 3*4*8<<20, true},
-		{"larger budgets raise it", bigger, "", 64<<20 + 2*256<<20 + 3*8*8<<20, true},
+		{"defaults", defaults, "", 48<<20 + 3*32<<20/2 + 2*4*8<<20, true},
+		{"larger budgets raise it", bigger, "", 48<<20 + 3*256<<20/2 + 2*8*8<<20, true},
 		{"GOMEMLIMIT wins", defaults, "1GiB", 0, false},
 	}
 	for _, tt := range tests {
