@@ -52,7 +52,7 @@ func TestSmokeRun(t *testing.T) {
 		t.Errorf("%v messages out of per-key order", vals["out_of_order"])
 	}
 	for _, k := range []string{"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s",
-		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb",
+		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb", "large_ingest_mb_per_s",
 		"e2e_cpu_us_per_msg", "e2e_svc_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])

@@ -5,7 +5,8 @@
 //     subprocess with its defaults) fed through an in-process Kafka broker
 //     (kfake): ingest, dispatch and end-to-end throughput for three key
 //     shapes, with and without a backlog of far-future rows, dispatch
-//     lateness at a fixed offered load, and the process's memory;
+//     lateness at a fixed offered load, and the process's memory, also
+//     with a backlog of records near Kafka's 1 MB limit;
 //   - the database ceiling: the service's own SQL (deferral.Store.Insert,
 //     keylock.Locker Claim and Finalize) with no Kafka at all;
 //   - the broker ceiling: sarama producing the same records to the same
@@ -68,6 +69,9 @@ type config struct {
 	LateRate int
 	LateFor  time.Duration
 	LateLead time.Duration
+	// Large is the number of records near 1 MB of the large-message
+	// scenario's backlog.
+	Large int
 	// Partitions of every topic.
 	Partitions int32
 	// SpeedProbe is how long cpuSpeed runs at the start and at the end.
@@ -91,14 +95,14 @@ type config struct {
 // modes are the run sizes. Full is what docs/benchmarks.md records.
 var modes = map[string]config{
 	"full": {Mode: "full", N: 100_000, Warmup: 2_000, Backlog: 1_000_000,
-		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Partitions: 4,
+		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Large: 400, Partitions: 4,
 		SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
-		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Partitions: 4,
+		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Large: 200, Partitions: 4,
 		SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
-		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Partitions: 4,
+		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Large: 6, Partitions: 4,
 		SpeedProbe: 50 * time.Millisecond},
 }
 
