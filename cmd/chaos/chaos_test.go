@@ -35,6 +35,9 @@ func TestChaosShort(t *testing.T) {
 	if res.PGRestarts != 1 {
 		t.Errorf("%d PostgreSQL restarts, want 1", res.PGRestarts)
 	}
+	if res.Rewinds != 1 {
+		t.Errorf("%d rewinds to an older backup, want 1", res.Rewinds)
+	}
 	if res.Sent != cfg.Messages {
 		t.Errorf("sent %d messages, want %d", res.Sent, cfg.Messages)
 	}
@@ -68,9 +71,10 @@ func TestCheck(t *testing.T) {
 	b0 := message{Key: "b", N: 0, Redefers: 2}
 	sent := []message{a0, a1, a2, b0}
 	tests := []struct {
-		name string
-		ds   []delivery
-		want result // only the counted fields
+		name    string
+		rewinds int
+		ds      []delivery
+		want    result // only the counted fields
 	}{
 		{
 			name: "all delivered in order, re-deferrals at their final attempt",
@@ -107,14 +111,21 @@ func TestCheck(t *testing.T) {
 				{offset: 3, key: "c", value: "c|0|0", id: "9", attempt: 1}},
 			want: result{Delivered: 1, Lost: 3, Duplicates: 1, Unexpected: 3, OrderViolations: 1},
 		},
+		{
+			name:    "after a rewind, a final attempt again under a new defer.id is a redelivery; a defer.id on two messages is still wrong",
+			rewinds: 1,
+			ds: []delivery{rec(a0, "1", 1, 0), rec(a1, "2", 1, 1), rec(a2, "4", 1, 2), rec(a1, "5", 2, 3),
+				rec(b0, "3", 1, 4), rec(b0, "6", 2, 5), rec(b0, "7", 3, 6), rec(a2, "8", 1, 7), rec(a0, "8", 1, 8)},
+			want: result{Delivered: 4, Redelivered: 1, Duplicates: 1, Unexpected: 1},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			var got result
+			got := result{Rewinds: tt.rewinds}
 			check(sent, tt.ds, &got)
-			type counts struct{ Delivered, Lost, Duplicates, OrderViolations, Unexpected int }
-			g := counts{got.Delivered, got.Lost, got.Duplicates, got.OrderViolations, got.Unexpected}
-			w := counts{tt.want.Delivered, tt.want.Lost, tt.want.Duplicates, tt.want.OrderViolations, tt.want.Unexpected}
+			type counts struct{ Delivered, Lost, Duplicates, OrderViolations, Unexpected, Redelivered int }
+			g := counts{got.Delivered, got.Lost, got.Duplicates, got.OrderViolations, got.Unexpected, got.Redelivered}
+			w := counts{tt.want.Delivered, tt.want.Lost, tt.want.Duplicates, tt.want.OrderViolations, tt.want.Unexpected, tt.want.Redelivered}
 			if g != w {
 				t.Errorf("got %+v, want %+v (problems: %q)", g, w, got.Examples)
 			}

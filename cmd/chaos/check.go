@@ -25,9 +25,14 @@ type result struct {
 	DupBound   int
 	// Unexpected counts records that contradict the plan: a value that is
 	// not a sent message, an attempt outside 1..redefers+1, a defer.id
-	// carried by two different messages, or a message delivered at its
-	// final attempt under two defer.ids.
-	Unexpected      int
+	// carried by two different messages, or (with no rewind) a message
+	// delivered at its final attempt under two defer.ids.
+	Unexpected int
+	// Redelivered counts final deliveries of a message under another
+	// defer.id than its first: after a rewind, records the database lost
+	// are read again from Kafka and stored under new ids, and what had been
+	// published from them goes out again. Only a rewind explains them.
+	Redelivered     int
 	OrderViolations int // see firstDeliveryViolations
 	IngestLag       int // records of the defer topic not ingested at the end
 	StoredFirst     int // rows stored from the producer's records (history)
@@ -36,9 +41,17 @@ type result struct {
 	Parked          int
 	Rejected        int
 
-	NotReady        string // why the services were not all ready a minute after the chaos; "" if they were
-	Kills           int
-	PGRestarts      int
+	NotReady   string // why the services were not all ready a minute after the chaos; "" if they were
+	Kills      int
+	PGRestarts int
+	Rewinds    int // times the database was taken back to an older backup
+	// RewoundFrom and RewoundTo are when the backup was taken and when the
+	// database was taken back to it: what was published in between may be
+	// published again (the rows come back, or are read again from Kafka).
+	RewoundFrom, RewoundTo time.Time
+	// Rewound counts the records read in that window; they raise the bound
+	// of duplicates and bound the redeliveries.
+	Rewound         int
 	ProduceFaults   int // produce requests of the service the broker failed
 	FetchFaults     int // fetch requests of the service the broker failed
 	UnexpectedExits int // services that exited without being killed
@@ -67,7 +80,15 @@ func dupBound(sent int) int { return max(20, sent/20) }
 func check(sent []message, ds []delivery, r *result) {
 	r.Sent = len(sent)
 	r.Deliveries = len(ds)
-	r.DupBound = dupBound(len(sent))
+	r.Rewound = 0
+	if r.Rewinds > 0 {
+		for _, d := range ds {
+			if !d.at.Before(r.RewoundFrom) && d.at.Before(r.RewoundTo) {
+				r.Rewound++
+			}
+		}
+	}
+	r.DupBound = dupBound(len(sent)) + r.Rewound
 	want := make(map[string]message, len(sent))
 	for _, m := range sent {
 		want[m.value()] = m
@@ -108,6 +129,10 @@ func check(sent []message, ds []delivery, r *result) {
 		}
 		if d.attempt == m.Redefers+1 {
 			if id, ok := finalID[d.value]; ok && id != d.id {
+				if r.Rewinds > 0 {
+					r.Redelivered++
+					continue
+				}
 				r.Unexpected++
 				example("%q's final attempt delivered under defer.id %s and %s", d.value, id, d.id)
 			}
@@ -187,6 +212,13 @@ func (r *result) broken() []string {
 	if r.Duplicates > r.DupBound {
 		b = append(b, fmt.Sprintf("%d duplicates, more than the bound %d", r.Duplicates, r.DupBound))
 	}
+	if r.Redelivered > r.Rewound {
+		b = append(b, fmt.Sprintf("%d messages delivered again under a new defer.id, more than the %d published between the backup and the rewind",
+			r.Redelivered, r.Rewound))
+	}
+	if r.Rewinds == 0 {
+		b = append(b, "no rewind happened")
+	}
 	if r.IngestLag > 0 {
 		b = append(b, fmt.Sprintf("%d records of %s never ingested", r.IngestLag, deferTopic))
 	}
@@ -216,7 +248,7 @@ func (r *result) print(w io.Writer) {
 	row("records on target", r.Deliveries, "")
 	row("delivered", r.Delivered, "final delivery arrived")
 	row("lost", r.Lost, "must be 0")
-	row("duplicates", r.Duplicates, fmt.Sprintf("same defer.id again; bound %d", r.DupBound))
+	row("duplicates", r.Duplicates, fmt.Sprintf("same defer.id again; bound %d (5%% of sent, plus what the rewind undid)", r.DupBound))
 	row("order violations", r.OrderViolations, "per key, first deliveries; must be 0")
 	row("unexpected records", r.Unexpected, "must be 0")
 	row("rows stored", fmt.Sprintf("%d+%d", r.StoredFirst, r.StoredRedefers), "first deferrals + re-deferrals (history)")
@@ -225,6 +257,8 @@ func (r *result) print(w io.Writer) {
 	row("rows parked/rejected", fmt.Sprintf("%d/%d", r.Parked, r.Rejected), "must be 0/0")
 	row("kills survived", r.Kills, "SIGKILL + restart")
 	row("postgres restarts", r.PGRestarts, "pg_ctl restart -m fast")
+	row("rewinds", r.Rewinds, "database restored to an older online backup")
+	row("redelivered", r.Redelivered, fmt.Sprintf("final deliveries again under a new defer.id; at most the %d records read between backup and rewind", r.Rewound))
 	row("produce faults", r.ProduceFaults, "service's produce requests failed by the broker")
 	row("fetch faults", r.FetchFaults, "service's fetch requests failed by the broker")
 	row("unexpected exits", r.UnexpectedExits, "restarted")
@@ -240,8 +274,8 @@ func (r *result) print(w io.Writer) {
 		status = "FAILED"
 		fmt.Fprintf(w, "FAILED: %s\n", strings.Join(b, "; "))
 	}
-	fmt.Fprintf(w, "RESULT status=%s mode=%s seed=%d sent=%d redefers=%d records=%d delivered=%d lost=%d duplicates=%d dup_bound=%d order_violations=%d unexpected=%d ingest_lag=%d stored=%d stored_redefers=%d pending=%d parked=%d rejected=%d kills=%d pg_restarts=%d produce_faults=%d fetch_faults=%d unexpected_exits=%d not_ready=%t clean_stops=%d drain_s=%.1f duration_s=%.0f reaped=%d\n",
+	fmt.Fprintf(w, "RESULT status=%s mode=%s seed=%d sent=%d redefers=%d records=%d delivered=%d lost=%d duplicates=%d dup_bound=%d order_violations=%d unexpected=%d ingest_lag=%d stored=%d stored_redefers=%d pending=%d parked=%d rejected=%d kills=%d pg_restarts=%d rewinds=%d redelivered=%d produce_faults=%d fetch_faults=%d unexpected_exits=%d not_ready=%t clean_stops=%d drain_s=%.1f duration_s=%.0f reaped=%d\n",
 		status, r.Mode, r.Seed, r.Sent, r.Redefers, r.Deliveries, r.Delivered, r.Lost, r.Duplicates, r.DupBound,
-		r.OrderViolations, r.Unexpected, r.IngestLag, r.StoredFirst, r.StoredRedefers, r.Pending, r.Parked, r.Rejected, r.Kills, r.PGRestarts,
+		r.OrderViolations, r.Unexpected, r.IngestLag, r.StoredFirst, r.StoredRedefers, r.Pending, r.Parked, r.Rejected, r.Kills, r.PGRestarts, r.Rewinds, r.Redelivered,
 		r.ProduceFaults, r.FetchFaults, r.UnexpectedExits, r.NotReady != "", r.CleanStops, r.Drained.Seconds(), r.Duration.Seconds(), r.Reaped)
 }

@@ -7,7 +7,9 @@
 // the target topic re-defers some deliveries (forwarding them with defer.id
 // and defer.seq, as a failing consumer would). Meanwhile a driver SIGKILLs a
 // random scheduler every few seconds and restarts it, restarts PostgreSQL
-// once (pg_ctl restart -m fast), and makes the broker fail a few percent of
+// once (pg_ctl restart -m fast), takes the database back in time once (an
+// online backup early in the run, restored later: a failover to a replica
+// that lagged, or a restore), and makes the broker fail a few percent of
 // the service's produce and fetch requests for a while. Then a checker reads
 // everything republished and the table and reports: messages sent,
 // delivered, lost, duplicates, per-key order violations of first

@@ -124,7 +124,7 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 	defer cons.close()
 
 	msgs := plan(rng, cfg.Messages, cfg.Keys)
-	say("chaos for %s: sending %d messages over %d keys, killing a scheduler every %s-%s, one PostgreSQL restart, broker faults",
+	say("chaos for %s: sending %d messages over %d keys, killing a scheduler every %s-%s, one PostgreSQL restart, one rewind, broker faults",
 		cfg.Chaos, len(msgs), cfg.Keys, cfg.KillEvery[0], cfg.KillEvery[1])
 	chaosCtx, endChaos := context.WithTimeout(ctx, cfg.Chaos)
 	defer endChaos()
@@ -133,6 +133,8 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 		errMu                  sync.Mutex
 		runErr                 error
 		kills, pgRestarts      atomic.Int64
+		rewinds                atomic.Int64
+		rewoundFrom, rewoundTo atomic.Pointer[time.Time]
 		produceHits, fetchHits atomic.Int64
 	)
 	fail := func(err error) {
@@ -180,6 +182,35 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 		pgRestarts.Add(1)
 		say("PostgreSQL is back")
 	})
+	wg.Go(func() { // one rewind: back up at 1/5, restore the backup at 3/5
+		select {
+		case <-chaosCtx.Done():
+			return
+		case <-time.After(cfg.Chaos / 5):
+		}
+		from := time.Now()
+		backup, err := pg.Backup(ctx)
+		if err != nil {
+			fail(err)
+			return
+		}
+		rewoundFrom.Store(&from)
+		say("PostgreSQL backed up (pg_basebackup, online)")
+		select {
+		case <-chaosCtx.Done():
+			return
+		case <-time.After(cfg.Chaos * 2 / 5):
+		}
+		say("rewinding PostgreSQL to the backup: a failover to a replica that lagged, or a restore")
+		to := time.Now()
+		if err := pg.Rewind(ctx, backup); err != nil {
+			fail(err)
+			return
+		}
+		rewoundTo.Store(&to)
+		rewinds.Add(1)
+		say("PostgreSQL is back, %s behind", cfg.Chaos*2/5)
+	})
 	wg.Go(func() { // broker fault windows
 		produce, fetch := faultWindows(chaosCtx, kc, cfg, say)
 		produceHits.Store(int64(produce))
@@ -197,7 +228,10 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 	if ctx.Err() != nil {
 		return nil, ctx.Err()
 	}
-	res.Kills, res.PGRestarts = int(kills.Load()), int(pgRestarts.Load())
+	res.Kills, res.PGRestarts, res.Rewinds = int(kills.Load()), int(pgRestarts.Load()), int(rewinds.Load())
+	if res.Rewinds > 0 {
+		res.RewoundFrom, res.RewoundTo = *rewoundFrom.Load(), *rewoundTo.Load()
+	}
 	res.ProduceFaults, res.FetchFaults = int(produceHits.Load()), int(fetchHits.Load())
 
 	say("chaos over; waiting for every message to be delivered and the table to empty")
@@ -213,7 +247,7 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 		}
 		say("%s", res.NotReady)
 	}
-	drainErr := drain(ctx, cons, pool, msgs, cfg.Drain)
+	drainErr := drain(ctx, cons, pool, msgs, res, cfg.Drain)
 	res.Drained = time.Since(chaosEnd)
 	if drainErr != nil {
 		say("%v; checking what arrived", drainErr)
@@ -270,14 +304,16 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 
 // drain waits until every message's final delivery has arrived and no row
 // is pending, or timeout.
-func drain(ctx context.Context, cons *consumer, pool *pgxpool.Pool, msgs []message, timeout time.Duration) error {
+//
+// res0 says what the chaos did (rewinds), which check needs.
+func drain(ctx context.Context, cons *consumer, pool *pgxpool.Pool, msgs []message, res0 *result, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for {
 		ds, _, err := cons.snapshot()
 		if err != nil {
 			return err
 		}
-		var r result
+		r := *res0
 		check(msgs, ds, &r)
 		var pending int
 		if err := pool.QueryRow(ctx, "SELECT count(*) FROM deferred_message WHERE state = 'pending'").Scan(&pending); err != nil {

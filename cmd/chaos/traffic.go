@@ -156,8 +156,9 @@ type delivery struct {
 	offset    int64
 	key       string
 	value     string
-	id        string // defer.id
-	attempt   int    // defer.attempt
+	id        string    // defer.id
+	attempt   int       // defer.attempt
+	at        time.Time // when the consumer read it
 }
 
 // consumer reads the target topic from the start, records every delivery,
@@ -223,7 +224,7 @@ func (c *consumer) fail(err error) {
 }
 
 func (c *consumer) handle(m *sarama.ConsumerMessage) {
-	d := delivery{partition: m.Partition, offset: m.Offset, key: string(m.Key), value: string(m.Value)}
+	d := delivery{partition: m.Partition, offset: m.Offset, key: string(m.Key), value: string(m.Value), at: time.Now()}
 	for _, h := range m.Headers {
 		switch string(h.Key) {
 		case deferral.HeaderID:
