@@ -9,8 +9,11 @@ LDFLAGS  := -X main.version=$(VERSION)
 .PHONY: demo test build run migrate fmt-check vet fuzz bench chaos clean
 
 ## demo: run the whole pipeline on a throwaway Postgres and an in-process Kafka broker
+# (scripts/install-postgres.sh installs PostgreSQL's server binaries when they
+# are missing; with DATABASE_URL set the demo uses that server instead)
 demo:
-	$(GO) run ./cmd/scheduler demo
+	@[ -n "$$DATABASE_URL" ] || scripts/install-postgres.sh
+	$(GO) run ./cmd/demo
 
 ## test: gofmt, go vet, and every test with the race detector (real Postgres, in-process broker, kcat)
 test: fmt-check vet
@@ -46,14 +49,16 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzSign$$' -fuzztime $(FUZZTIME) ./internal/defer
 	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime $(FUZZTIME) ./internal/policy
 	$(GO) test -run '^$$' -fuzz '^FuzzClassifier$$' -fuzztime $(FUZZTIME) ./internal/policy
-	$(GO) test -run '^$$' -fuzz '^FuzzConfig$$' -fuzztime $(FUZZTIME) ./cmd/scheduler
+	$(GO) test -run '^$$' -fuzz '^FuzzConfig$$' -fuzztime $(FUZZTIME) ./internal/config
 
 ## bench: measure the service against the DB ceiling, the broker and River (BENCH_QUICK=1: under 3 minutes; see docs/benchmarks.md)
 bench:
+	@[ -n "$$DATABASE_URL" ] || scripts/install-postgres.sh
 	$(GO) run ./cmd/bench
 
 ## chaos: three schedulers under SIGKILLs, a PostgreSQL restart and broker faults; checks no loss, per-key order, bounded duplicates (CHAOS_SHORT=1: the short run `make test` includes; see docs/chaos.md)
 chaos:
+	scripts/install-postgres.sh
 	$(GO) run ./cmd/chaos
 
 clean:

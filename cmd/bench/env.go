@@ -1,18 +1,15 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime/pprof"
 	"strconv"
@@ -26,6 +23,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/internal/schedproc"
 	"github.com/deferq/scheduler/migrations"
 )
 
@@ -48,8 +46,8 @@ type postgres struct {
 }
 
 // startPostgres connects to dbURL, or starts a throwaway cluster when it is
-// empty (installing the server package first when missing and running as
-// root, as `scheduler demo` does), and creates the migrated template. With
+// empty (the server binaries must be installed: `make bench` runs
+// scripts/install-postgres.sh first), and creates the migrated template. With
 // explain, a throwaway cluster logs the plan of every statement slower than
 // 200ms (auto_explain, nested statements included), for close to save.
 func startPostgres(ctx context.Context, dbURL string, explain bool, say func(string, ...any)) (_ *postgres, err error) {
@@ -61,10 +59,7 @@ func startPostgres(ctx context.Context, dbURL string, explain bool, say func(str
 	}()
 	if dbURL == "" {
 		if _, err := pglocal.Binaries(); err != nil {
-			say("PostgreSQL server binaries not found; installing the postgresql package")
-			if err := pglocal.Install(ctx, os.Stderr); err != nil {
-				return nil, err
-			}
+			return nil, fmt.Errorf("%w: run scripts/install-postgres.sh (make bench does), or set DATABASE_URL", err)
 		}
 		say("starting a throwaway PostgreSQL cluster")
 		if p.cluster, err = pglocal.Start(ctx, pglocal.Options{}); err != nil {
@@ -276,24 +271,9 @@ func startKafka(partitions int32, topics ...string) (*kfake.Cluster, string, err
 	return c, c.ListenAddrs()[0], nil
 }
 
-// buildScheduler builds ./cmd/scheduler into dir and returns its path.
-func buildScheduler(ctx context.Context, dir string) (string, error) {
-	bin := filepath.Join(dir, "scheduler")
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/deferq/scheduler/cmd/scheduler")
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("go build ./cmd/scheduler: %w\n%s", err, out)
-	}
-	return bin, nil
-}
-
 // service is a running `scheduler run` subprocess.
 type service struct {
-	cmd   *exec.Cmd
-	http  string
-	pprof string // PPROF_ADDR; "" when not profiling
-	logs  *tail
-	done  chan struct{}
+	*schedproc.Process
 }
 
 // startService runs `scheduler run` with the service's defaults except what
@@ -302,150 +282,17 @@ type service struct {
 // With profile set the service also serves net/http/pprof (PPROF_ADDR), for
 // cpuProfile.
 func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer, profile bool) (*service, error) {
-	addr, err := freeAddr()
+	// Nothing inherited: the service sees its defaults and these only.
+	p, err := schedproc.Start(schedproc.Options{Bin: bin, Pprof: profile, Logs: logs, TailBytes: 64 << 10,
+		Env: []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "TARGET_TOPICS=bench.*"}})
 	if err != nil {
 		return nil, err
 	}
-	s := &service{http: addr, logs: &tail{max: 64 << 10}, done: make(chan struct{})}
-	s.cmd = exec.Command(bin, "run")
-	// Nothing inherited: the service sees its defaults and these only.
-	s.cmd.Env = []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers,
-		"TARGET_TOPICS=bench.*", "HTTP_ADDR=" + addr}
-	if profile {
-		if s.pprof, err = freeAddr(); err != nil {
-			return nil, err
-		}
-		s.cmd.Env = append(s.cmd.Env, "PPROF_ADDR="+s.pprof)
+	if err := p.WaitReady(ctx, 60*time.Second); err != nil {
+		p.Kill()
+		return nil, err
 	}
-	var w io.Writer = s.logs
-	if logs != nil {
-		w = io.MultiWriter(s.logs, logs)
-	}
-	s.cmd.Stdout, s.cmd.Stderr = w, w
-	if err := s.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s run: %w", bin, err)
-	}
-	go func() {
-		_ = s.cmd.Wait() // the exit status is read from ProcessState
-		close(s.done)
-	}()
-	deadline := time.Now().Add(60 * time.Second)
-	client := &http.Client{Timeout: 3 * time.Second}
-	for {
-		resp, err := client.Get("http://" + addr + "/readyz")
-		if err == nil {
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return s, nil
-			}
-			err = fmt.Errorf("%s: %s", resp.Status, bytes.TrimSpace(body))
-		}
-		select {
-		case <-s.done:
-			return nil, fmt.Errorf("scheduler exited during start-up (%v); its last output:\n%s", s.cmd.ProcessState, s.logs)
-		case <-ctx.Done():
-			s.kill()
-			return nil, ctx.Err()
-		case <-time.After(50 * time.Millisecond):
-		}
-		if time.Now().After(deadline) {
-			s.kill()
-			return nil, fmt.Errorf("scheduler not ready within 60s (%v); its last output:\n%s", err, s.logs)
-		}
-	}
-}
-
-func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", fmt.Errorf("find a free port for the service's HTTP_ADDR: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().String(), nil
-}
-
-// memory reads the service's peak and current resident set size.
-func (s *service) memory() (hwm, rss int64, err error) {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/status", s.cmd.Process.Pid))
-	if err != nil {
-		return 0, 0, fmt.Errorf("read the service's memory: %w", err)
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		name, rest, ok := strings.Cut(sc.Text(), ":")
-		if !ok || (name != "VmHWM" && name != "VmRSS") {
-			continue
-		}
-		fields := strings.Fields(rest) // "12345 kB"
-		if len(fields) != 2 || fields[1] != "kB" {
-			return 0, 0, fmt.Errorf("unexpected %s line in /proc/%d/status: %q", name, s.cmd.Process.Pid, sc.Text())
-		}
-		kb, err := strconv.ParseInt(fields[0], 10, 64)
-		if err != nil {
-			return 0, 0, fmt.Errorf("unexpected %s line in /proc/%d/status: %q", name, s.cmd.Process.Pid, sc.Text())
-		}
-		if name == "VmHWM" {
-			hwm = kb << 10
-		} else {
-			rss = kb << 10
-		}
-	}
-	if err := sc.Err(); err != nil {
-		return 0, 0, fmt.Errorf("read the service's memory: %w", err)
-	}
-	if hwm == 0 || rss == 0 {
-		return 0, 0, fmt.Errorf("no VmHWM/VmRSS in /proc/%d/status", s.cmd.Process.Pid)
-	}
-	return hwm, rss, nil
-}
-
-// stop sends SIGTERM and requires a clean exit within a minute.
-func (s *service) stop() error {
-	if err := s.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		return fmt.Errorf("stop the scheduler: %w", err)
-	}
-	select {
-	case <-s.done:
-	case <-time.After(time.Minute):
-		s.kill()
-		return fmt.Errorf("scheduler did not stop within a minute of SIGTERM; its last output:\n%s", s.logs)
-	}
-	if code := s.cmd.ProcessState.ExitCode(); code != 0 {
-		return fmt.Errorf("scheduler exited with code %d after SIGTERM; its last output:\n%s", code, s.logs)
-	}
-	return nil
-}
-
-// kill ends the process at once (errors and cancellation only).
-func (s *service) kill() {
-	_ = s.cmd.Process.Kill() // it may have exited already
-	<-s.done
-}
-
-// tail keeps the last max bytes written to it: enough of the service's log to
-// explain a failure without holding a long run's log in memory.
-type tail struct {
-	mu  sync.Mutex
-	max int
-	buf []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if over := len(t.buf) - t.max; over > 0 {
-		t.buf = append(t.buf[:0], t.buf[over:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.buf)
+	return &service{p}, nil
 }
 
 // cpuTimes is CPU time spent so far by the parts of a run.
@@ -532,7 +379,7 @@ func procStat(pid int) (stat, bool) {
 // profile, has returned (nil: at once). It does nothing when the service does
 // not serve pprof.
 func (s *service) cpuProfile(path string, d time.Duration, after func() error) func() error {
-	if s.pprof == "" {
+	if s.PprofAddr == "" {
 		return func() error { return nil }
 	}
 	done := make(chan error, 1)
@@ -543,7 +390,7 @@ func (s *service) cpuProfile(path string, d time.Duration, after func() error) f
 		}
 		done <- errors.Join(prev, func() error {
 			client := &http.Client{Timeout: d + 10*time.Second}
-			resp, err := client.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.pprof, max(1, int(d.Seconds()))))
+			resp, err := client.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", s.PprofAddr, max(1, int(d.Seconds()))))
 			if err != nil {
 				return fmt.Errorf("service CPU profile: %w", err)
 			}

@@ -76,8 +76,8 @@ func (b *bench) runLarge(ctx context.Context) (res largeResult, err error) {
 	if err != nil {
 		return res, err
 	}
-	defer svc.kill()
-	pid := svc.cmd.Process.Pid
+	defer svc.Kill()
+	pid := svc.Pid()
 	stored := func() (int64, error) {
 		var s int64
 		err := db.pool.QueryRow(ctx, "SELECT coalesce(sum(next_offset), 0) FROM ingest_offset WHERE topic = $1", deferTopic).Scan(&s)
@@ -86,18 +86,18 @@ func (b *bench) runLarge(ctx context.Context) (res largeResult, err error) {
 	due := int64((res.n + 1) / 2)
 	pr, err := track(ctx, "large records delivered", func() (int64, error) { return w.count(topicLarge) }, 0, due, timeoutFor(res.n*100))
 	if err != nil {
-		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.logs)
+		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	res.dispatch = rate{n: due, wall: pr.doneAt.Sub(start), cpu: b.cpu(pid).sub(cpu0)}
 	pr, err = track(ctx, "large records stored", stored, 0, int64(res.n), timeoutFor(res.n*100))
 	if err != nil {
-		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.logs)
+		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	res.ingest = rate{n: int64(res.n), wall: max(pr.doneAt.Sub(start), time.Millisecond), cpu: b.cpu(pid).sub(cpu0)}
-	if res.hwm, res.rss, err = svc.memory(); err != nil {
+	if res.hwm, res.rss, err = svc.Memory(); err != nil {
 		return res, err
 	}
-	if err := svc.stop(); err != nil {
+	if err := svc.Stop(time.Minute); err != nil {
 		return res, err
 	}
 	ds, err := readBack(ctx, addr, topicLarge)

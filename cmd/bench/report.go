@@ -16,6 +16,8 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/deferq/scheduler/internal/schedproc"
 )
 
 // bench is one run.
@@ -94,7 +96,7 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		}
 		defer os.RemoveAll(dir)
 		b.say("building ./cmd/scheduler")
-		if b.bin, err = buildScheduler(ctx, dir); err != nil {
+		if b.bin, err = schedproc.Build(ctx, dir); err != nil {
 			return err
 		}
 	}

@@ -158,11 +158,11 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		}
 	}()
 	profiles = append(profiles, profiled("ingest"))
-	pid := svc.cmd.Process.Pid
+	pid := svc.Pid()
 	stopped := false
 	defer func() {
 		if !stopped {
-			svc.kill()
+			svc.Kill()
 		}
 	}()
 
@@ -170,12 +170,12 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 	// warm-up (what comes before warms ingest up) to all stored.
 	tr := <-ingested
 	if tr.err != nil {
-		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", tr.err, svc.logs)
+		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", tr.err, svc.Logs())
 	}
 	cpu1 := b.cpu(pid)
 	sc.ingest = rate{n: total - tr.pr.fromN, wall: tr.pr.doneAt.Sub(tr.pr.fromAt), cpu: cpu1.sub(cpu0)}
 	if _, err := track(ctx, "warm-up delivery", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(warm), timeoutFor(warm)); err != nil {
-		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.logs)
+		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 
 	// 2. Dispatch of a due backlog, timed (and its CPU counted) from the
@@ -193,7 +193,7 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 	}
 	pr, err := track(ctx, "dispatch", func() (int64, error) { return w.count(topicDispatch) }, 0, int64(n), timeoutFor(n))
 	if err != nil {
-		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.logs)
+		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	cpu2 := b.cpu(pid)
 	sc.dispatch = rate{n: int64(n), wall: pr.doneAt.Sub(t0), cpu: cpu2.sub(cpu1)}
@@ -213,7 +213,7 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		return sc, perr
 	}
 	if err != nil {
-		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.logs)
+		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	cpu3 := b.cpu(pid)
 	sc.e2e = rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: cpu3.sub(cpu2)}
@@ -231,11 +231,11 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		}
 		sc.late = &latencies{offered: b.cfg.LateRate, sent: lateSent, sendFor: time.Since(start)}
 		if _, err := track(ctx, "lateness phase", func() (int64, error) { return w.count(topicLate) }, 0, int64(lateSent), timeoutFor(lateSent)); err != nil {
-			return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.logs)
+			return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 		}
 	}
 
-	if sc.hwm, sc.rss, err = svc.memory(); err != nil {
+	if sc.hwm, sc.rss, err = svc.Memory(); err != nil {
 		return sc, err
 	}
 	if len(profiles) > 0 {
@@ -245,7 +245,7 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		}
 	}
 	stopped = true
-	if err := svc.stop(); err != nil {
+	if err := svc.Stop(time.Minute); err != nil {
 		return sc, err
 	}
 

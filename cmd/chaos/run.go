@@ -19,6 +19,7 @@ import (
 
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/internal/schedproc"
 )
 
 // services is how many `scheduler run` processes share the work.
@@ -46,17 +47,14 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 		}
 		defer os.RemoveAll(dir)
 		say("building ./cmd/scheduler")
-		if bin, err = buildScheduler(ctx, dir); err != nil {
+		if bin, err = schedproc.Build(ctx, dir); err != nil {
 			return nil, err
 		}
 	}
 
 	// A cluster of our own, because the run restarts it.
 	if _, err := pglocal.Binaries(); err != nil {
-		say("PostgreSQL server binaries not found; installing the postgresql package")
-		if err := pglocal.Install(ctx, log); err != nil {
-			return nil, err
-		}
+		return nil, fmt.Errorf("%w: run scripts/install-postgres.sh (make chaos does)", err)
 	}
 	say("starting a throwaway PostgreSQL cluster and an in-process Kafka broker")
 	pg, err := pglocal.Start(ctx, pglocal.Options{})

@@ -1,35 +1,21 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"maps"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
+	"github.com/deferq/scheduler/internal/schedproc"
 	"github.com/twmb/franz-go/pkg/kfake"
 )
-
-// buildScheduler builds ./cmd/scheduler into dir and returns its path.
-func buildScheduler(ctx context.Context, dir string) (string, error) {
-	bin := filepath.Join(dir, "scheduler")
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/deferq/scheduler/cmd/scheduler")
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("go build ./cmd/scheduler: %w\n%s", err, out)
-	}
-	return bin, nil
-}
 
 // consumerGroup is the services' ingest consumer group.
 const consumerGroup = "chaos"
@@ -67,13 +53,11 @@ const restartBackoff = time.Second
 
 // proc is one `scheduler run` process.
 type proc struct {
-	cmd  *exec.Cmd
-	http string
+	*schedproc.Process
 	// clientID is the process's KAFKA_CLIENT_ID, unique per process
 	// (chaos-s<slot>-<start>): the broker prefixes its consumer-group member
 	// IDs with it, so a member can be told apart by the process it belongs to.
 	clientID string
-	done     chan struct{}
 }
 
 // fleet is the three service slots. A slot always has a process: killing
@@ -81,7 +65,7 @@ type proc struct {
 type fleet struct {
 	bin  string
 	env  []string
-	logs *tail
+	logs *schedproc.Tail
 	live io.Writer // nil, or where the logs go as they come
 
 	mu         sync.Mutex
@@ -96,7 +80,7 @@ type fleet struct {
 }
 
 func newFleet(bin string, env []string, n int, live io.Writer) (*fleet, error) {
-	f := &fleet{bin: bin, env: env, logs: &tail{max: 256 << 10}, live: live, procs: make([]*proc, n), gens: make([]int, n), starts: make([]int, n), dead: map[string]time.Time{}}
+	f := &fleet{bin: bin, env: env, logs: schedproc.NewTail(256 << 10), live: live, procs: make([]*proc, n), gens: make([]int, n), starts: make([]int, n), dead: map[string]time.Time{}}
 	for i := range n {
 		p, err := f.spawn(i)
 		if err != nil {
@@ -111,26 +95,21 @@ func newFleet(bin string, env []string, n int, live io.Writer) (*fleet, error) {
 // spawn starts a process for slot i without waiting for it to be ready: a
 // process restarted during a database outage becomes ready only after it.
 func (f *fleet) spawn(i int) (*proc, error) {
-	addr, err := freeAddr()
-	if err != nil {
-		return nil, err
-	}
 	f.starts[i]++
-	p := &proc{http: addr, clientID: fmt.Sprintf("chaos-s%d-%d", i, f.starts[i]), done: make(chan struct{})}
-	p.cmd = exec.Command(f.bin, "run")
-	p.cmd.Env = append(append([]string(nil), f.env...), "HTTP_ADDR="+addr, "KAFKA_CLIENT_ID="+p.clientID)
+	clientID := fmt.Sprintf("chaos-s%d-%d", i, f.starts[i])
 	var w io.Writer = &prefixed{prefix: fmt.Sprintf("[s%d] ", i), w: f.logs}
 	if f.live != nil {
 		w = io.MultiWriter(w, &prefixed{prefix: fmt.Sprintf("[s%d] ", i), w: f.live})
 	}
-	p.cmd.Stdout, p.cmd.Stderr = w, w
-	if err := p.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("start %s run: %w", f.bin, err)
+	sp, err := schedproc.Start(schedproc.Options{Bin: f.bin, Logs: w, TailBytes: 16 << 10,
+		Env: append(append([]string(nil), f.env...), "KAFKA_CLIENT_ID="+clientID)})
+	if err != nil {
+		return nil, err
 	}
-	fmt.Fprintf(w, "[chaos] started pid %d, Kafka client id %s\n", p.cmd.Process.Pid, p.clientID)
+	p := &proc{Process: sp, clientID: clientID}
+	fmt.Fprintf(w, "[chaos] started pid %d, Kafka client id %s\n", p.Pid(), p.clientID)
 	go func() {
-		_ = p.cmd.Wait() // the exit status is read from ProcessState
-		close(p.done)
+		<-p.Done()
 		f.exited(i, p)
 	}()
 	return p, nil
@@ -145,7 +124,7 @@ func (f *fleet) exited(i int, p *proc) {
 	}
 	f.unexpected++
 	f.dead[p.clientID] = time.Now()
-	fmt.Fprintf(f.logs, "[chaos] scheduler s%d (pid %d) exited on its own: %v; restarting it in %s\n", i, p.cmd.Process.Pid, p.cmd.ProcessState, restartBackoff)
+	fmt.Fprintf(f.logs, "[chaos] scheduler s%d (pid %d) exited on its own: %v; restarting it in %s\n", i, p.Pid(), p.Cmd.ProcessState, restartBackoff)
 	f.procs[i] = nil
 	gen := f.gens[i]
 	f.mu.Unlock()
@@ -172,8 +151,7 @@ func (f *fleet) kill(i int) error {
 	f.gens[i]++      // nor restart it after its back-off
 	f.mu.Unlock()
 	if old != nil {
-		_ = old.cmd.Process.Signal(syscall.SIGKILL) // it may have just exited
-		<-old.done
+		old.Kill()
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -190,7 +168,6 @@ func (f *fleet) kill(i int) error {
 
 // waitReady waits until every slot's current process answers /readyz 200.
 func (f *fleet) waitReady(ctx context.Context, timeout time.Duration) error {
-	client := &http.Client{Timeout: 2 * time.Second}
 	deadline := time.Now().Add(timeout)
 	for {
 		f.mu.Lock()
@@ -202,15 +179,8 @@ func (f *fleet) waitReady(ctx context.Context, timeout time.Duration) error {
 				notReady = append(notReady, fmt.Sprintf("s%d: restarting", i))
 				continue
 			}
-			resp, err := client.Get("http://" + p.http + "/readyz")
-			if err != nil {
-				notReady = append(notReady, fmt.Sprintf("s%d: %v", i, err))
-				continue
-			}
-			body, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				notReady = append(notReady, fmt.Sprintf("s%d: %s %s", i, resp.Status, bytes.TrimSpace(body)))
+			if code, body := p.Get("/readyz"); code != http.StatusOK {
+				notReady = append(notReady, fmt.Sprintf("s%d: %d %s", i, code, strings.TrimSpace(body)))
 			}
 		}
 		if len(notReady) == 0 {
@@ -239,17 +209,8 @@ func (f *fleet) stop() (clean int, err error) {
 		if p == nil {
 			continue
 		}
-		_ = p.cmd.Process.Signal(syscall.SIGTERM) // it may have exited already
-		select {
-		case <-p.done:
-		case <-time.After(time.Minute):
-			_ = p.cmd.Process.Kill()
-			<-p.done
-			errs = append(errs, fmt.Errorf("scheduler s%d did not stop within a minute of SIGTERM", i))
-			continue
-		}
-		if code := p.cmd.ProcessState.ExitCode(); code != 0 {
-			errs = append(errs, fmt.Errorf("scheduler s%d exited with code %d after SIGTERM", i, code))
+		if err := p.Stop(time.Minute); err != nil {
+			errs = append(errs, fmt.Errorf("scheduler s%d: %w", i, err))
 			continue
 		}
 		clean++
@@ -265,8 +226,7 @@ func (f *fleet) killAll() {
 	f.mu.Unlock()
 	for _, p := range procs {
 		if p != nil {
-			_ = p.cmd.Process.Kill() // it may have exited already
-			<-p.done
+			p.Kill()
 		}
 	}
 }
@@ -332,15 +292,6 @@ func (f *fleet) unexpectedExits() int {
 	return f.unexpected
 }
 
-func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", fmt.Errorf("find a free port for a service's HTTP_ADDR: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().String(), nil
-}
-
 // prefixed writes each write to w with prefix in front; the services write
 // whole lines, so that is enough to tell them apart.
 type prefixed struct {
@@ -353,28 +304,4 @@ func (p *prefixed) Write(b []byte) (int, error) {
 		return 0, err
 	}
 	return len(b), nil
-}
-
-// tail keeps the last max bytes written to it: enough of the services' logs
-// to explain a failure without holding a long run's logs in memory.
-type tail struct {
-	mu  sync.Mutex
-	max int
-	buf []byte
-}
-
-func (t *tail) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.buf = append(t.buf, p...)
-	if over := len(t.buf) - t.max; over > 0 {
-		t.buf = append(t.buf[:0], t.buf[over:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tail) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.buf)
 }

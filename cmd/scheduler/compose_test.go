@@ -17,6 +17,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/deferq/scheduler/internal/config"
 	"gopkg.in/yaml.v3"
 )
 
@@ -369,7 +370,7 @@ func internalKafkaAddrs(t *testing.T, c composeFile) map[string]string {
 func TestComposeSchedulerEnvironment(t *testing.T) {
 	c := loadCompose(t)
 	known := map[string]bool{}
-	for _, v := range envVars() {
+	for _, v := range config.Vars() {
 		known[v.Name] = true
 	}
 	for _, svc := range []string{"scheduler", "migrate"} {
@@ -380,7 +381,7 @@ func TestComposeSchedulerEnvironment(t *testing.T) {
 					t.Errorf("%s sets %s, which is not a scheduler variable (scheduler run --help lists them)", svc, name)
 				}
 			}
-			cfg, err := loadConfig(env.environ())
+			cfg, err := config.Load(env.environ())
 			if err != nil {
 				t.Fatalf("%s's environment does not load:\n%v", svc, err)
 			}
@@ -396,11 +397,11 @@ func TestComposeSchedulerEnvironment(t *testing.T) {
 			t.Errorf("scheduler does not set %s", name)
 		}
 	}
-	cfg, err := loadConfig(env.environ())
+	cfg, err := config.Load(env.environ())
 	if err != nil {
 		t.Fatalf("scheduler's environment does not load:\n%v", err)
 	}
-	if err := cfg.requireRun(); err != nil {
+	if err := cfg.RequireRun(); err != nil {
 		t.Errorf("scheduler's environment is not enough for run:\n%v", err)
 	}
 
@@ -476,12 +477,12 @@ func TestComposeTopics(t *testing.T) {
 	}
 
 	var deferDefault string
-	for _, v := range envVars() {
+	for _, v := range config.Vars() {
 		if v.Name == "DEFER_TOPIC" {
 			deferDefault = v.Default
 		}
 	}
-	cfg, err := loadConfig(c.Services["scheduler"].Environment.environ())
+	cfg, err := config.Load(c.Services["scheduler"].Environment.environ())
 	if err != nil {
 		t.Fatalf("scheduler's environment does not load:\n%v", err)
 	}
@@ -498,7 +499,7 @@ func TestComposeTopics(t *testing.T) {
 			continue
 		}
 		targets++
-		if !cfg.targets.Allows(topic) {
+		if !cfg.Targets().Allows(topic) {
 			t.Errorf("kafka-init creates %s, which TARGET_TOPICS=%q does not allow", topic, cfg.TargetTopics)
 		}
 	}
@@ -685,7 +686,7 @@ func TestComposeDockerfile(t *testing.T) {
 		}
 	}
 	var defaultPort string
-	for _, v := range envVars() {
+	for _, v := range config.Vars() {
 		if v.Name == "HTTP_ADDR" {
 			_, defaultPort, _ = net.SplitHostPort(v.Default)
 		}

@@ -109,8 +109,8 @@ func (s metricsSnapshot) sum(name string) float64 {
 func (p *proc) alive(t *testing.T, when string) {
 	t.Helper()
 	select {
-	case <-p.done:
-		t.Fatalf("scheduler exited %s (code %d):\n%s", when, p.cmd.ProcessState.ExitCode(), p.logs())
+	case <-p.Done():
+		t.Fatalf("scheduler exited %s (code %d):\n%s", when, p.Cmd.ProcessState.ExitCode(), p.Logs())
 	default:
 	}
 }
@@ -167,7 +167,7 @@ func TestDegradePostgresDown(t *testing.T) {
 			t.Fatalf("committed offsets sum to %d while Postgres is down, past the %d records stored", c, len(before))
 		}
 	}
-	if code, body := p.get("/readyz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "postgres") {
+	if code, body := p.Get("/readyz"); code != http.StatusServiceUnavailable || !strings.Contains(body, "postgres") {
 		t.Errorf("/readyz = %d %s while Postgres is down, want 503 naming postgres", code, body)
 	}
 	if got := len(out.all()); got != len(before) {
@@ -337,11 +337,11 @@ func TestShutdownWithinTimeoutWhenBrokerStalls(t *testing.T) {
 
 	gate.Stall()
 	began := time.Now()
-	p.cmd.Process.Signal(syscall.SIGTERM)
+	p.Cmd.Process.Signal(syscall.SIGTERM)
 	select {
-	case <-p.done:
+	case <-p.Done():
 	case <-time.After(shutdown + 30*time.Second):
-		t.Fatalf("scheduler still running %v after SIGTERM with SHUTDOWN_TIMEOUT=%v:\n%s", time.Since(began), shutdown, p.logs())
+		t.Fatalf("scheduler still running %v after SIGTERM with SHUTDOWN_TIMEOUT=%v:\n%s", time.Since(began), shutdown, p.Logs())
 	}
 	took := time.Since(began)
 	t.Logf("stopped %v after SIGTERM, with the broker stalled and SHUTDOWN_TIMEOUT=%v", took.Round(time.Millisecond), shutdown)
@@ -349,12 +349,12 @@ func TestShutdownWithinTimeoutWhenBrokerStalls(t *testing.T) {
 	// slack for closing the rest on a busy machine; waiting for the group
 	// instead takes the consumer's read timeout (25 s) at least once.
 	if limit := shutdown + 5*time.Second; took > limit {
-		t.Errorf("stopped %v after SIGTERM, more than %v:\n%s", took, limit, p.logs())
+		t.Errorf("stopped %v after SIGTERM, more than %v:\n%s", took, limit, p.Logs())
 	}
-	if code := p.cmd.ProcessState.ExitCode(); code != 0 {
-		t.Errorf("exit code %d, want 0:\n%s", code, p.logs())
+	if code := p.Cmd.ProcessState.ExitCode(); code != 0 {
+		t.Errorf("exit code %d, want 0:\n%s", code, p.Logs())
 	}
-	if logs := p.logs(); !strings.Contains(logs, "consumer group did not close within SHUTDOWN_TIMEOUT") {
+	if logs := p.Logs(); !strings.Contains(logs, "consumer group did not close within SHUTDOWN_TIMEOUT") {
 		t.Errorf("no word of the consumer group left behind in the logs:\n%s", logs)
 	}
 
@@ -413,7 +413,7 @@ END $$`,
 	waitMetrics(t, p, 10*time.Second, "store_failed counted", func(s metricsSnapshot) bool {
 		return s.is(1, metrics.IngestRejected, "reason", "store_failed")
 	})
-	if code, body := p.get("/readyz"); code != http.StatusOK {
+	if code, body := p.Get("/readyz"); code != http.StatusOK {
 		t.Errorf("/readyz = %d %s after a refused record was stored as rejected", code, body)
 	}
 
@@ -454,7 +454,7 @@ func TestReadyzWhileConnectingToKafka(t *testing.T) {
 	p := launch(t, serviceEnv(db.URL, brokers, "e2e-connecting"))
 	waitUntil(t, 30*time.Second, "/readyz to answer while connecting", func() (bool, string) {
 		p.alive(t, "while waiting for Kafka")
-		code, body := p.get("/readyz")
+		code, body := p.Get("/readyz")
 		if code != http.StatusServiceUnavailable {
 			return false, fmt.Sprintf("%d %s", code, body)
 		}
@@ -462,7 +462,7 @@ func TestReadyzWhileConnectingToKafka(t *testing.T) {
 		why, _ := failing["kafka"].(string)
 		return strings.Contains(why, "connecting") && strings.Contains(why, brokers), body
 	})
-	if code, _ := p.get("/healthz"); code != http.StatusOK {
+	if code, _ := p.Get("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz = %d while connecting, want 200", code)
 	}
 	_, portText, _ := net.SplitHostPort(brokers)

@@ -95,7 +95,7 @@ func TestKcatEndToEnd(t *testing.T) {
 	}
 
 	p := start(t, env)
-	if code, body := p.get("/healthz"); code != 200 || strings.TrimSpace(body) != "ok" {
+	if code, body := p.Get("/healthz"); code != 200 || strings.TrimSpace(body) != "ok" {
 		t.Fatalf("/healthz = %d %q", code, body)
 	}
 
@@ -165,8 +165,8 @@ func TestKcatEndToEnd(t *testing.T) {
 	}
 	waitRows(t, pool, 10*time.Second, "SELECT count(*) FROM deferred_message WHERE state = 'pending'", 0)
 	p.stop()
-	if !strings.Contains(p.logs(), "stopped") {
-		t.Fatalf("no clean stop in the logs:\n%s", p.logs())
+	if !strings.Contains(p.Logs(), "stopped") {
+		t.Fatalf("no clean stop in the logs:\n%s", p.Logs())
 	}
 }
 
@@ -211,7 +211,7 @@ func TestNoLossAcrossCrashes(t *testing.T) {
 	for round := range 4 {
 		produceChunk(700)
 		time.Sleep(time.Duration(150+rng.IntN(600)) * time.Millisecond)
-		p.kill()
+		p.Kill()
 		kills++
 		t.Logf("kill %d: %d produced, %d delivered so far", round+1, total(), len(r.all()))
 		p = start(t, env)
@@ -433,7 +433,7 @@ func TestReadyzReportsFailingCheck(t *testing.T) {
 	brokers := broker(t)
 	db := pgtest.NewDB(t)
 	p := start(t, serviceEnv(db.URL, brokers, "e2e-ready"))
-	code, body := p.get("/readyz")
+	code, body := p.Get("/readyz")
 	if code != 200 || readyzBody(t, body)["status"] != "ready" {
 		t.Fatalf("/readyz = %d %s", code, body)
 	}
@@ -441,7 +441,7 @@ func TestReadyzReportsFailingCheck(t *testing.T) {
 	if _, err := db.Pool.Exec(context.Background(), "INSERT INTO scheduler_migration (version, name) VALUES (9999, 'future')"); err != nil {
 		t.Fatal(err)
 	}
-	code, body = p.get("/readyz")
+	code, body = p.Get("/readyz")
 	failing, _ := readyzBody(t, body)["failing"].(map[string]any)
 	if code != 503 || failing["migrations"] == nil {
 		t.Fatalf("/readyz = %d %s, want 503 naming migrations", code, body)
@@ -449,7 +449,7 @@ func TestReadyzReportsFailingCheck(t *testing.T) {
 	if _, err := db.Pool.Exec(context.Background(), "DELETE FROM scheduler_migration WHERE version = 9999"); err != nil {
 		t.Fatal(err)
 	}
-	if code, body = p.get("/readyz"); code != 200 {
+	if code, body = p.Get("/readyz"); code != 200 {
 		t.Fatalf("/readyz did not recover: %d %s", code, body)
 	}
 	// A migration missing (pending) is as bad as one too new.
@@ -458,7 +458,7 @@ func TestReadyzReportsFailingCheck(t *testing.T) {
 		"DELETE FROM scheduler_migration WHERE version = 1 RETURNING name").Scan(&name); err != nil {
 		t.Fatal(err)
 	}
-	code, body = p.get("/readyz")
+	code, body = p.Get("/readyz")
 	failing, _ = readyzBody(t, body)["failing"].(map[string]any)
 	if code != 503 || !strings.Contains(fmt.Sprint(failing["migrations"]), "pending") {
 		t.Fatalf("/readyz = %d %s, want 503 naming pending migrations", code, body)
@@ -466,7 +466,7 @@ func TestReadyzReportsFailingCheck(t *testing.T) {
 	if _, err := db.Pool.Exec(context.Background(), "INSERT INTO scheduler_migration (version, name) VALUES (1, $1)", name); err != nil {
 		t.Fatal(err)
 	}
-	if code, body = p.get("/readyz"); code != 200 {
+	if code, body = p.Get("/readyz"); code != 200 {
 		t.Fatalf("/readyz did not recover: %d %s", code, body)
 	}
 	p.stop()

@@ -145,7 +145,7 @@ func waitReadyz(t *testing.T, p *proc, code int, want string) {
 	var got int
 	var body string
 	for time.Now().Before(deadline) {
-		got, body = p.get("/readyz")
+		got, body = p.Get("/readyz")
 		if got == code && got == 200 {
 			return
 		}
@@ -181,10 +181,10 @@ func TestPprofAddr(t *testing.T) {
 	if resp.StatusCode != http.StatusOK || !strings.Contains(string(body), "heap profile") {
 		t.Fatalf("PPROF_ADDR heap profile: %d %.200s", resp.StatusCode, body)
 	}
-	if code, _ := p.get("/debug/pprof/heap"); code != http.StatusNotFound {
+	if code, _ := p.Get("/debug/pprof/heap"); code != http.StatusNotFound {
 		t.Errorf("HTTP_ADDR serves /debug/pprof/heap: %d, want 404", code)
 	}
-	if !strings.Contains(p.logs(), "serving pprof") {
+	if !strings.Contains(p.Logs(), "serving pprof") {
 		t.Error("the log does not say pprof is served")
 	}
 	p.stop()

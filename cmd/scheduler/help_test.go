@@ -6,11 +6,13 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/deferq/scheduler/internal/config"
 )
 
 func TestHelpAndUsage(t *testing.T) {
 	var allVars []string
-	for _, v := range envVars() {
+	for _, v := range config.Vars() {
 		allVars = append(allVars, v.Name)
 	}
 	tests := []struct {
@@ -23,13 +25,13 @@ func TestHelpAndUsage(t *testing.T) {
 		stdout, stderr []string
 	}{
 		{name: "no arguments", args: nil, code: 2, stderr: []string{"Usage:", "scheduler <command>"}},
-		{name: "--help", args: []string{"--help"}, code: 0, stdout: []string{"Usage:", "run", "migrate", "demo", "version"}},
-		{name: "-h", args: []string{"-h"}, code: 0, stdout: []string{"Usage:", "run", "migrate", "demo", "version"}},
-		{name: "help", args: []string{"help"}, code: 0, stdout: []string{"Usage:", "run", "migrate", "demo", "version"}},
+		{name: "--help", args: []string{"--help"}, code: 0, stdout: []string{"Usage:", "run", "migrate", "version", "make demo"}},
+		{name: "-h", args: []string{"-h"}, code: 0, stdout: []string{"Usage:", "run", "migrate", "version", "make demo"}},
+		{name: "help", args: []string{"help"}, code: 0, stdout: []string{"Usage:", "run", "migrate", "version", "make demo"}},
 		{name: "run --help", args: []string{"run", "--help"}, code: 0, stdout: append([]string{"Usage: scheduler run", "-migrate"}, allVars...)},
 		{name: "run -h", args: []string{"run", "-h"}, code: 0, stdout: append([]string{"Usage: scheduler run"}, allVars...)},
 		{name: "migrate --help", args: []string{"migrate", "--help"}, code: 0, stdout: []string{"Usage: scheduler migrate"}},
-		{name: "demo --help", args: []string{"demo", "--help"}, code: 0, stdout: []string{"Usage: scheduler demo"}},
+		{name: "the demo is not in the production binary", args: []string{"demo"}, code: 2, stderr: []string{`"demo"`, "unknown command"}},
 		{name: "--help lists the operator commands", args: []string{"--help"}, code: 0, stdout: []string{
 			"\n  status ", "\n  ls ", "\n  show ", "\n  held ", "\n  expedite ", "\n  cancel ", "\n  park ",
 			"\n  replay ", "\n  pause ", "\n  resume ", "\n  limit ", "\n  targets ",
@@ -44,6 +46,12 @@ func TestHelpAndUsage(t *testing.T) {
 		{name: "run without DATABASE_URL or KAFKA_BROKERS", args: []string{"run"}, code: 2, stderr: []string{"DATABASE_URL", "KAFKA_BROKERS"}},
 		{name: "migrate with a bad variable", args: []string{"migrate"}, environ: []string{"DATABASE_URL=postgres://u@127.0.0.1:1/db", "LOG_LEVEL=loud"},
 			code: 2, stderr: []string{`LOG_LEVEL="loud"`}},
+		{name: "run with a bad variable", args: []string{"run"},
+			environ: []string{"DATABASE_URL=postgres://u@127.0.0.1:1/db", "KAFKA_BROKERS=127.0.0.1:1", "INGEST_BATCH_SIZE=0"},
+			code:    2, stderr: []string{"INGEST_BATCH_SIZE", "integer 1..100000"}},
+		{name: "run with a bad signing key", args: []string{"run"},
+			environ: []string{"DATABASE_URL=postgres://u@127.0.0.1:1/db", "KAFKA_BROKERS=127.0.0.1:1", "SIGNING_KEYS=orders=a1a1a1a1zz"},
+			code:    2, stderr: []string{"SIGNING_KEYS", "orders"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -53,6 +61,10 @@ func TestHelpAndUsage(t *testing.T) {
 			code := run(ctx, tt.args, tt.environ, &stdout, &stderr)
 			if code != tt.code {
 				t.Errorf("exit code %d, want %d\nstdout:\n%s\nstderr:\n%s", code, tt.code, stdout.String(), stderr.String())
+			}
+			// Key material never shows, whatever the command prints.
+			if strings.Contains(stdout.String()+stderr.String(), "a1a1a1a1") {
+				t.Errorf("the output shows key material:\n%s%s", stdout.String(), stderr.String())
 			}
 			for _, s := range []struct {
 				name string
@@ -80,7 +92,7 @@ func TestHelpRunListsDefaults(t *testing.T) {
 		t.Fatalf("run --help: exit %d:\n%s", code, stdout.String())
 	}
 	lines := strings.Split(stdout.String(), "\n")
-	for _, v := range envVars() {
+	for _, v := range config.Vars() {
 		t.Run(v.Name, func(t *testing.T) {
 			var line string
 			for _, l := range lines {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"net/http"
-	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -116,7 +115,7 @@ func TestKafkaSCRAMOverTLS(t *testing.T) {
 	if !strings.Contains(why, want) {
 		t.Errorf("/readyz kafka failure %q does not contain %q", why, want)
 	}
-	if strings.Contains(p.logs(), secPassword) {
+	if strings.Contains(p.Logs(), secPassword) {
 		t.Error("the logs contain the SASL password")
 	}
 }
@@ -130,18 +129,18 @@ func TestKafkaWrongPassword(t *testing.T) {
 	p := launch(t, append(serviceEnv(db.URL, addr, "e2e-wrong-password"), secEnv...))
 
 	deadline := time.Now().Add(20 * time.Second)
-	for !strings.Contains(p.logs(), "waiting for Kafka") {
+	for !strings.Contains(p.Logs(), "waiting for Kafka") {
 		select {
-		case <-p.done:
-			t.Fatalf("scheduler exited:\n%s", p.logs())
+		case <-p.Done():
+			t.Fatalf("scheduler exited:\n%s", p.Logs())
 		default:
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("no \"waiting for Kafka\" in the logs within 20s:\n%s", p.logs())
+			t.Fatalf("no \"waiting for Kafka\" in the logs within 20s:\n%s", p.Logs())
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	logs := p.logs()
+	logs := p.Logs()
 	for _, want := range []string{`SASL SCRAM-SHA-512 authentication as user \"scheduler\" failed`, addr} {
 		if !strings.Contains(logs, want) {
 			t.Errorf("logs do not contain %s:\n%s", want, logs)
@@ -151,33 +150,9 @@ func TestKafkaWrongPassword(t *testing.T) {
 		t.Errorf("the logs contain the SASL password:\n%s", logs)
 	}
 	// /readyz answers 503 (kafka: connecting) until the credentials are fixed.
-	if code, body := p.get("/readyz"); code == http.StatusOK {
+	if code, body := p.Get("/readyz"); code == http.StatusOK {
 		t.Errorf("/readyz = 200 %s with a wrong password", body)
 	}
-}
-
-// launch runs the binary with env without waiting for it to become ready.
-func launch(t *testing.T, env []string) *proc {
-	t.Helper()
-	p := &proc{t: t, http: freeAddr(t), done: make(chan struct{})}
-	p.cmd = exec.Command(binary(t), "run")
-	p.cmd.Env = append(env, "HTTP_ADDR="+p.http)
-	p.cmd.Stdout, p.cmd.Stderr = p, p
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() {
-		p.cmd.Wait()
-		close(p.done)
-	}()
-	t.Cleanup(func() {
-		p.cmd.Process.Kill()
-		<-p.done
-		if t.Failed() {
-			t.Logf("logs of scheduler pid %d:\n%s", p.cmd.Process.Pid, p.logs())
-		}
-	})
-	return p
 }
 
 // waitKafkaNotReady waits for /readyz to answer 503 with a kafka failure
@@ -190,7 +165,7 @@ func waitKafkaNotReady(t *testing.T, p *proc, within time.Duration) string {
 		body string
 	)
 	for time.Now().Before(deadline) {
-		code, body = p.get("/readyz")
+		code, body = p.Get("/readyz")
 		if code == http.StatusServiceUnavailable {
 			failing, _ := readyzBody(t, body)["failing"].(map[string]any)
 			if why, ok := failing["kafka"].(string); ok {

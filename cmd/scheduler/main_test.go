@@ -1,18 +1,13 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -21,6 +16,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 
 	"github.com/deferq/scheduler/internal/pgtest"
+	"github.com/deferq/scheduler/internal/schedproc"
 )
 
 // binDir holds the scheduler binary the end-to-end tests run.
@@ -37,12 +33,7 @@ func TestMain(m *testing.M) {
 }
 
 var buildOnce = sync.OnceValues(func() (string, error) {
-	bin := filepath.Join(binDir, "scheduler")
-	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("go build: %v\n%s", err, out)
-	}
-	return bin, nil
+	return schedproc.Build(context.Background(), binDir)
 })
 
 // binary returns the path of the built scheduler.
@@ -92,95 +83,47 @@ func serviceEnv(dbURL, brokers, group string) []string {
 	}
 }
 
-// proc is a running `scheduler run`.
+// proc is a running `scheduler run`, owned by a test: it is killed when the
+// test ends, and its logs are printed if the test failed.
 type proc struct {
-	t    *testing.T
-	cmd  *exec.Cmd
-	http string
-	mu   sync.Mutex
-	out  bytes.Buffer
-	done chan struct{}
+	*schedproc.Process
+	t *testing.T
 }
 
-func (p *proc) Write(b []byte) (int, error) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.Write(b)
-}
-
-func (p *proc) logs() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.out.String()
-}
-
-// start runs the binary with env and waits until /readyz answers 200.
+// start runs `scheduler run` with env and its flags args, and waits until
+// /readyz answers 200.
 func start(t *testing.T, env []string, args ...string) *proc {
 	t.Helper()
-	p := &proc{t: t, http: freeAddr(t), done: make(chan struct{})}
-	p.cmd = exec.Command(binary(t), append([]string{"run"}, args...)...)
-	p.cmd.Env = append(env, "HTTP_ADDR="+p.http)
-	p.cmd.Stdout, p.cmd.Stderr = p, p
-	if err := p.cmd.Start(); err != nil {
+	p := launch(t, env, args...)
+	if err := p.WaitReady(t.Context(), 30*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	go func() {
-		p.cmd.Wait()
-		close(p.done)
-	}()
+	return p
+}
+
+// launch runs `scheduler run` with env and its flags args, without waiting
+// for it to become ready.
+func launch(t *testing.T, env []string, args ...string) *proc {
+	t.Helper()
+	sp, err := schedproc.Start(schedproc.Options{Bin: binary(t), Args: append([]string{"run"}, args...), Env: env})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &proc{Process: sp, t: t}
 	t.Cleanup(func() {
-		p.cmd.Process.Kill()
-		<-p.done
+		p.Kill()
 		if t.Failed() {
-			t.Logf("logs of scheduler pid %d:\n%s", p.cmd.Process.Pid, p.logs())
+			t.Logf("logs of scheduler pid %d:\n%s", p.Pid(), p.Logs())
 		}
 	})
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if code, _ := p.get("/readyz"); code == http.StatusOK {
-			return p
-		}
-		select {
-		case <-p.done:
-			t.Fatalf("scheduler exited during start-up:\n%s", p.logs())
-		default:
-		}
-		if time.Now().After(deadline) {
-			_, body := p.get("/readyz")
-			t.Fatalf("scheduler not ready after 30s: %s\n%s", body, p.logs())
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	return p
 }
 
-func (p *proc) get(path string) (int, string) {
-	resp, err := http.Get("http://" + p.http + path)
-	if err != nil {
-		return 0, err.Error()
-	}
-	defer resp.Body.Close()
-	var b bytes.Buffer
-	b.ReadFrom(resp.Body)
-	return resp.StatusCode, b.String()
-}
-
-// kill stops the process the hard way, as a crash would.
-func (p *proc) kill() {
-	p.cmd.Process.Signal(syscall.SIGKILL)
-	<-p.done
-}
-
-// stop sends SIGTERM and requires a clean exit 0.
+// stop sends SIGTERM and requires a clean exit 0 within 30 seconds.
 func (p *proc) stop() {
 	p.t.Helper()
-	p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.done:
-	case <-time.After(30 * time.Second):
-		p.t.Fatalf("scheduler did not stop within 30s of SIGTERM:\n%s", p.logs())
-	}
-	if code := p.cmd.ProcessState.ExitCode(); code != 0 {
-		p.t.Fatalf("exit code %d after SIGTERM, want 0:\n%s", code, p.logs())
+	if err := p.Stop(30 * time.Second); err != nil {
+		p.t.Fatal(err)
 	}
 }
 

@@ -45,7 +45,7 @@ func TestIngestPeakRSSBoundedByBytes(t *testing.T) {
 	p := start(t, serviceEnv(db, brokers, "e2e-rss"), "--migrate")
 	out.until(t, 3*time.Minute, "the due half delivered", atLeast(n/2))
 	waitRows(t, pool, time.Minute, "SELECT count(*) FROM deferred_message", n/2)
-	peak := peakRSS(t, p.cmd.Process.Pid)
+	peak := peakRSS(t, p.Cmd.Process.Pid)
 	t.Logf("peak RSS %d MB with %d records of %d bytes ingested and %d published", peak/1_000_000, n, size, n/2)
 	if peak > documentedRSS {
 		t.Errorf("peak RSS %d bytes, over the documented %d", peak, documentedRSS)

@@ -17,6 +17,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
+	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
@@ -26,7 +27,7 @@ type metricsSnapshot map[string]*dto.MetricFamily
 
 func scrapeMetrics(t *testing.T, p *proc) metricsSnapshot {
 	t.Helper()
-	resp, err := http.Get("http://" + p.http + "/metrics")
+	resp, err := http.Get("http://" + p.HTTPAddr + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -369,7 +370,7 @@ func TestMetricsIntervalValidated(t *testing.T) {
 		if c.value != "" {
 			environ = append(environ, "METRICS_INTERVAL="+c.value)
 		}
-		cfg, err := loadConfig(environ)
+		cfg, err := config.Load(environ)
 		switch {
 		case c.ok && err != nil:
 			t.Errorf("METRICS_INTERVAL=%q: %v", c.value, err)

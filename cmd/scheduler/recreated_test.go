@@ -73,7 +73,7 @@ func TestDeferTopicRecreated(t *testing.T) {
 			if n := len(got); n < len(old)+len(fresh) {
 				t.Errorf("%d deliveries, want at least %d", n, len(old)+len(fresh))
 			}
-			if logs := p.logs(); !strings.Contains(logs, "partition was re-created or truncated") {
+			if logs := p.Logs(); !strings.Contains(logs, "partition was re-created or truncated") {
 				t.Errorf("no log line says the partitions were re-created:\n%s", logs)
 			}
 			p.stop()

@@ -21,6 +21,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/opscli/opsjson"
 	"github.com/deferq/scheduler/internal/pgtest"
 	"github.com/deferq/scheduler/migrations"
 	"github.com/deferq/scheduler/sql/runbook"
@@ -248,24 +250,24 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	// The operator commands, as the operator role.
 	opURL := roles.url(t, dbURL, roles.operator)
 	ops := opsAs(t, opURL)
-	if s := decode[jsonStatus](t, ops("status", "--json")); s.ParkedKeys != 1 || len(s.Backlog) != 2 {
+	if s := opsjson.Decode[opsjson.Status](t, ops("status", "--json")); s.ParkedKeys != 1 || len(s.Backlog) != 2 {
 		t.Errorf("status: %+v", s)
 	}
-	sameIDs(t, "ls --state parked", ids(decode[[]jsonMessage](t, ops("ls", "--state", "parked", "--json"))), mustInt(t, poison))
-	if m := decode[jsonStory](t, ops("show", poison, "--json")).Message; m.State != "parked" || !m.HoldsKey {
+	opsjson.SameIDs(t, "ls --state parked", opsjson.IDs(opsjson.Decode[[]opsjson.Message](t, ops("ls", "--state", "parked", "--json"))), mustInt(t, poison))
+	if m := opsjson.Decode[opsjson.Story](t, ops("show", poison, "--json")).Message; m.State != "parked" || !m.HoldsKey {
 		t.Errorf("show %s: %+v", poison, m)
 	}
-	if h := decode[[]jsonHeld](t, ops("held", "--json")); len(h) != 1 || h[0].Kind != "parked" || strconv.FormatInt(h[0].HeadID, 10) != poison {
+	if h := opsjson.Decode[[]opsjson.Held](t, ops("held", "--json")); len(h) != 1 || h[0].Kind != "parked" || strconv.FormatInt(h[0].HeadID, 10) != poison {
 		t.Errorf("held: %+v", h)
 	}
-	if c := decode[jsonChange](t, ops("expedite", "--key", "order-2", "--json")); c.Expedited == nil || *c.Expedited != 1 {
+	if c := opsjson.Decode[opsjson.Change](t, ops("expedite", "--key", "order-2", "--json")); c.Expedited == nil || *c.Expedited != 1 {
 		t.Errorf("expedite: %+v", c)
 	}
 	got.until(t, 15*time.Second, "the expedited record", valueIs("later"))
-	if c := decode[jsonChange](t, ops("park", doomed, "--reason", "ops test", "--json")); c.Parked == nil || *c.Parked != 1 {
+	if c := opsjson.Decode[opsjson.Change](t, ops("park", doomed, "--reason", "ops test", "--json")); c.Parked == nil || *c.Parked != 1 {
 		t.Errorf("park: %+v", c)
 	}
-	if c := decode[jsonChange](t, ops("cancel", doomed, "--json")); c.Cancelled == nil || *c.Cancelled != 1 {
+	if c := opsjson.Decode[opsjson.Change](t, ops("cancel", doomed, "--json")); c.Cancelled == nil || *c.Cancelled != 1 {
 		t.Errorf("cancel: %+v", c)
 	}
 	waitRows(t, admin, time.Second, "SELECT count(*) FROM deferred_message WHERE id = $1", 0, mustInt(t, doomed))
@@ -281,7 +283,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	ops("resume", targetTopic)
 	ops("limit", targetTopic, "100")
 	ops("limit", targetTopic, "off")
-	if ts := decode[[]jsonTarget](t, ops("targets", "--json")); len(ts) != 1 || ts[0].Paused || ts[0].RateLimit != nil {
+	if ts := opsjson.Decode[[]opsjson.Target](t, ops("targets", "--json")); len(ts) != 1 || ts[0].Paused || ts[0].RateLimit != nil {
 		t.Errorf("targets after pause, resume, limit, limit off: %+v", ts)
 	}
 
@@ -305,9 +307,9 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		"parked_summary.sql":  nil,
 		"pause_target.sql":    {"target": targetTopic, "note": "roles test"},
 		"rejected_recent.sql": {"window": "1 hour"},
-		"replay.sql":          replayVars(map[string]string{"ids": "0", "rate": "", "reset_attempts": "false"}),
+		"replay.sql":          fixture.ReplayVars(map[string]string{"ids": "0", "rate": "", "reset_attempts": "false"}),
 		"replay_parked.sql":   {"target": "no.such.retry"},
-		"replay_preview.sql":  replayVars(map[string]string{"ids": "0"}),
+		"replay_preview.sql":  fixture.ReplayVars(map[string]string{"ids": "0"}),
 		"resume_target.sql":   {"target": targetTopic},
 		"show_message.sql":    {"id": poison},
 		"targets.sql":         nil,
@@ -319,7 +321,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 			t.Errorf("runbook file %s is not run as the operator role here: add it to runbookVars", name)
 			continue
 		}
-		if out, err := psqlRun(t, opURL, name, vars); err != nil {
+		if out, err := fixture.Psql(t, opURL, name, vars); err != nil {
 			t.Errorf("psql -f %s as the operator role: %v\n%s", name, err, out)
 		}
 	}
@@ -402,8 +404,8 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 
 	p.stop()
 	for _, bad := range []string{"permission denied", "must be owner"} {
-		if strings.Contains(p.logs(), bad) {
-			t.Errorf("the service, as the service role, logged %q:\n%s", bad, p.logs())
+		if strings.Contains(p.Logs(), bad) {
+			t.Errorf("the service, as the service role, logged %q:\n%s", bad, p.Logs())
 		}
 	}
 }
@@ -439,7 +441,7 @@ func TestRolesInOwnSchema(t *testing.T) {
 	got.until(t, 15*time.Second, "the record republished", atLeast(1))
 	ops := opsAs(t, roles.url(t, dbURL, roles.operator))
 	ops("pause", targetTopic)
-	if ts := decode[[]jsonTarget](t, ops("targets", "--json")); len(ts) != 1 || !ts[0].Paused {
+	if ts := opsjson.Decode[[]opsjson.Target](t, ops("targets", "--json")); len(ts) != 1 || !ts[0].Paused {
 		t.Errorf("targets: %+v", ts)
 	}
 	p.stop()
@@ -540,9 +542,9 @@ func TestLogsAndMetricsCarryNoPayloads(t *testing.T) {
 			deadline := time.Now().Add(10 * time.Second)
 			for _, want := range []string{"parking message whose target may not be published to",
 				"rejected_by_reason", "invalid_delay", "key_too_long", "parked_by_reason", "exhausted"} {
-				for !strings.Contains(p.logs(), want) {
+				for !strings.Contains(p.Logs(), want) {
 					if time.Now().After(deadline) {
-						t.Fatalf("no log line mentions %q:\n%s", want, p.logs())
+						t.Fatalf("no log line mentions %q:\n%s", want, p.Logs())
 					}
 					time.Sleep(20 * time.Millisecond)
 				}
@@ -552,10 +554,10 @@ func TestLogsAndMetricsCarryNoPayloads(t *testing.T) {
 				_, parked := s.value("scheduler_dispatch_parked_total", "reason", "target_not_allowed")
 				return rejected && parked
 			})
-			_, metricsText := p.get("/metrics")
+			_, metricsText := p.Get("/metrics")
 			p.stop()
 
-			logs := p.logs()
+			logs := p.Logs()
 			if run.level == "debug" && !strings.Contains(logs, `"level":"DEBUG"`) {
 				t.Errorf("LOG_LEVEL=debug logged nothing at debug level:\n%s", logs)
 			}

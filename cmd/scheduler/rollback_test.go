@@ -88,7 +88,7 @@ func TestPostgresGoesBackInTime(t *testing.T) {
 			})
 			before := len(out.all())
 			if restart {
-				p.kill()
+				p.Kill()
 			}
 			if err := pg.Rewind(ctx, backup); err != nil {
 				t.Fatal(err)
@@ -127,7 +127,7 @@ func TestPostgresGoesBackInTime(t *testing.T) {
 			}
 			t.Logf("%d deliveries before the rewind, %d after; delivered again: %v", before, len(got)-before, redelivered)
 
-			logs := p.logs()
+			logs := p.Logs()
 			m := scrapeMetrics(t, p)
 			if !strings.Contains(logs, "Postgres went back in time") {
 				t.Errorf("no log line says Postgres went back in time:\n%s", logs)

@@ -53,7 +53,7 @@ FROM generate_series($1::bigint, $2::bigint) AS g`, from, to); err != nil {
 	p := start(t, serviceEnv(db.URL, broker(t), "statistics"))
 	const want = "analyzed queue tables whose statistics had fallen behind"
 	deadline := time.Now().Add(20 * time.Second)
-	for !strings.Contains(p.logs(), want) {
+	for !strings.Contains(p.Logs(), want) {
 		if time.Now().After(deadline) {
 			t.Fatalf("no %q in the service's log after 20s", want)
 		}

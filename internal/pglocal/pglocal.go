@@ -1,8 +1,10 @@
 // Package pglocal starts a throwaway PostgreSQL cluster from the system's
 // binaries.
 //
-// It serves `scheduler demo` when DATABASE_URL is unset and tests when no
-// server answers. A cluster lives in one directory (data, server log and
+// It serves the demo, the bench and the chaos run when DATABASE_URL is unset,
+// and tests when no server answers. It does not install anything:
+// scripts/install-postgres.sh does, for the make targets, and .ci/run for
+// CI. A cluster lives in one directory (data, server log and
 // unix socket), listens only on 127.0.0.1, trusts every local connection and
 // trades durability for speed: it must never hold data anyone cares about.
 package pglocal
@@ -96,39 +98,6 @@ func highestVersion(dirs []string) (string, bool) {
 		return v
 	}
 	return slices.MaxFunc(dirs, func(a, b string) int { return slices.Compare(version(a), version(b)) }), true
-}
-
-// Install installs the Debian package postgresql with apt-get when Binaries
-// finds no server binaries; it does nothing when they are present. Installing
-// needs root: otherwise it returns an error telling the user to install the
-// package or to set DATABASE_URL. apt-get's output goes to out.
-func Install(ctx context.Context, out io.Writer) error {
-	if _, err := Binaries(); err == nil {
-		return nil
-	}
-	if os.Geteuid() != 0 {
-		return fmt.Errorf("%w, and installing them needs root: run `sudo apt-get install postgresql`, or set DATABASE_URL to an existing PostgreSQL server", ErrNotFound)
-	}
-	if _, err := exec.LookPath("apt-get"); err != nil {
-		return fmt.Errorf("%w and apt-get is not available to install them: install PostgreSQL server binaries with your package manager, or set DATABASE_URL to an existing PostgreSQL server", ErrNotFound)
-	}
-	env := append(os.Environ(), "DEBIAN_FRONTEND=noninteractive")
-	for _, args := range [][]string{
-		{"update"},
-		{"install", "-y", "--no-install-recommends", "postgresql"},
-	} {
-		fmt.Fprintf(out, "+ apt-get %s\n", strings.Join(args, " "))
-		cmd := exec.CommandContext(ctx, "apt-get", args...)
-		cmd.Env = env
-		cmd.Stdout, cmd.Stderr = out, out
-		if err := cmd.Run(); err != nil {
-			return fmt.Errorf("apt-get %s: %w (see its output above; or set DATABASE_URL to an existing PostgreSQL server)", args[0], err)
-		}
-	}
-	if _, err := Binaries(); err != nil {
-		return fmt.Errorf("after installing postgresql: %w", err)
-	}
-	return nil
 }
 
 // Options configures Start.

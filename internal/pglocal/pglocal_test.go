@@ -198,16 +198,3 @@ func TestHighestVersion(t *testing.T) {
 		t.Error("highestVersion(nil) reported a directory")
 	}
 }
-
-func TestInstallNoopWhenPresent(t *testing.T) {
-	if _, err := Binaries(); err != nil {
-		t.Skip("no server binaries; Install would run apt-get")
-	}
-	var out bytes.Buffer
-	if err := Install(t.Context(), &out); err != nil {
-		t.Fatalf("Install: %v", err)
-	}
-	if out.Len() != 0 {
-		t.Errorf("Install ran something although binaries are present:\n%s", out.String())
-	}
-}

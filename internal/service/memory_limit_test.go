@@ -1,11 +1,15 @@
-package main
+package service
 
-import "testing"
+import (
+	"testing"
+
+	"github.com/deferq/scheduler/internal/config"
+)
 
 // The service sets Go's soft memory limit from its byte budgets, unless the
 // operator set GOMEMLIMIT.
 func TestMemoryLimit(t *testing.T) {
-	defaults, err := loadConfig(withEnv())
+	defaults, err := config.Load(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -14,7 +18,7 @@ func TestMemoryLimit(t *testing.T) {
 	bigger.DispatchLoops = 8
 	tests := []struct {
 		name       string
-		cfg        config
+		cfg        config.Config
 		gomemlimit string
 		want       int64
 		set        bool

@@ -1,4 +1,4 @@
-package main
+package opscli
 
 import (
 	"bytes"
@@ -8,145 +8,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/opscli/opsjson"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
-
-// The JSON the operator commands print, decoded independently of the types
-// that produce it: these are the contract scripts rely on.
-type (
-	jsonMessage struct {
-		ID          int64     `json:"id"`
-		BusinessKey *string   `json:"business_key"`
-		Seq         int64     `json:"seq"`
-		TargetTopic *string   `json:"target_topic"`
-		State       string    `json:"state"`
-		NextRunAt   time.Time `json:"next_run_at"`
-		Attempt     int       `json:"attempt"`
-		Reason      *string   `json:"reason"`
-	}
-	jsonChange struct {
-		Expedited *int          `json:"expedited"`
-		Cancelled *int          `json:"cancelled"`
-		Parked    *int          `json:"parked"`
-		Note      string        `json:"note"`
-		Messages  []jsonMessage `json:"messages"`
-	}
-	jsonStatus struct {
-		Backlog []struct {
-			TargetTopic *string `json:"target_topic"`
-			State       string  `json:"state"`
-			Messages    int     `json:"messages"`
-			Due         int     `json:"due"`
-		} `json:"backlog"`
-		DueHeads        int     `json:"due_heads"`
-		LatenessSeconds float64 `json:"lateness_seconds"`
-		OldestDue       *struct {
-			ID          int64  `json:"id"`
-			BusinessKey string `json:"business_key"`
-			TargetTopic string `json:"target_topic"`
-		} `json:"oldest_due"`
-		HeldKeys         int `json:"held_keys"`
-		ParkedKeys       int `json:"parked_keys"`
-		BackingOffKeys   int `json:"backing_off_keys"`
-		RejectedLastHour int `json:"rejected_last_hour"`
-		RejectedReasons  []struct {
-			Reason   string `json:"reason"`
-			Messages int    `json:"messages"`
-		} `json:"rejected_reasons"`
-	}
-	jsonStory struct {
-		Message struct {
-			jsonMessage
-			ErrorClass     *string `json:"error_class"`
-			IsHead         bool    `json:"is_head"`
-			HoldsKey       bool    `json:"holds_key"`
-			ParkHoldsKey   bool    `json:"park_holds_key"`
-			ParkedAt       *string `json:"parked_at"`
-			RedriveCount   int     `json:"redrive_count"`
-			WaitingBehind  *int    `json:"waiting_behind"`
-			PendingAhead   *int    `json:"pending_ahead"`
-			KeyEncoding    *string `json:"key_encoding"`
-			Key            *string `json:"key"`
-			ValueBytes     *int    `json:"value_bytes"`
-			ValueEncoding  *string `json:"value_encoding"`
-			Value          *string `json:"value"`
-			ValueTruncated bool    `json:"value_truncated"`
-		} `json:"message"`
-		Headers []struct {
-			Position int    `json:"position"`
-			Key      string `json:"key"`
-			Encoding string `json:"encoding"`
-			Value    string `json:"value"`
-		} `json:"headers"`
-		Lineage []struct {
-			Relation string `json:"relation"`
-			jsonMessage
-		} `json:"lineage"`
-		History []jsonHistory `json:"history"`
-	}
-	jsonHistory struct {
-		LineageID    int64   `json:"lineage_id"`
-		MessageID    int64   `json:"message_id"`
-		Event        string  `json:"event"`
-		Attempt      int     `json:"attempt"`
-		Reason       *string `json:"reason"`
-		ErrorClass   *string `json:"error_class"`
-		ErrorMessage *string `json:"error_message"`
-	}
-	jsonHeld struct {
-		BusinessKey *string `json:"business_key"`
-		Kind        string  `json:"kind"`
-		HeadID      int64   `json:"head_id"`
-		NextRunAt   *string `json:"next_run_at"`
-		Reason      *string `json:"reason"`
-		ParkedAt    *string `json:"parked_at"`
-		Waiting     int     `json:"waiting"`
-	}
-	jsonTarget struct {
-		TargetTopic string   `json:"target_topic"`
-		Paused      bool     `json:"paused"`
-		RateLimit   *float64 `json:"rate_limit"`
-		Note        *string  `json:"note"`
-		UpdatedAt   string   `json:"updated_at"`
-	}
-	jsonTargetChange struct {
-		Changed bool       `json:"changed"`
-		Target  jsonTarget `json:"target"`
-		Note    string     `json:"note"`
-	}
-)
-
-// decode parses out as T, failing the test if it is not JSON.
-func decode[T any](t *testing.T, out string) T {
-	t.Helper()
-	var v T
-	if err := json.Unmarshal([]byte(out), &v); err != nil {
-		t.Fatalf("output is not the JSON expected: %v\n%s", err, out)
-	}
-	return v
-}
-
-func ids(ms []jsonMessage) []int64 {
-	var out []int64
-	for _, m := range ms {
-		out = append(out, m.ID)
-	}
-	return out
-}
-
-func sameIDs(t *testing.T, what string, got []int64, want ...int64) {
-	t.Helper()
-	if len(got) != len(want) {
-		t.Errorf("%s: ids %v, want %v", what, got, want)
-		return
-	}
-	for i := range got {
-		if got[i] != want[i] {
-			t.Errorf("%s: ids %v, want %v", what, got, want)
-			return
-		}
-	}
-}
 
 // TestOpsCommands runs every operator command in process against a seeded
 // database (see seedOps), with human and JSON output, and the bad input each
@@ -183,7 +48,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "status --json", args: []string{"status", "--json"},
 			json: func(t *testing.T, out string) {
-				s := decode[jsonStatus](t, out)
+				s := opsjson.Decode[opsjson.Status](t, out)
 				if len(s.Backlog) != 5 || s.DueHeads != 2 || s.LatenessSeconds < 119 || s.OldestDue == nil ||
 					s.OldestDue.ID != 101 || s.OldestDue.BusinessKey != "order-1" || s.HeldKeys != 3 || s.ParkedKeys != 1 || s.BackingOffKeys != 1 ||
 					s.RejectedLastHour != 2 || len(s.RejectedReasons) != 2 {
@@ -206,8 +71,8 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "ls --json", args: []string{"ls", "--state", "parked", "--json"},
 			json: func(t *testing.T, out string) {
-				ms := decode[[]jsonMessage](t, out)
-				sameIDs(t, "ls", ids(ms), 104, 105)
+				ms := opsjson.Decode[[]opsjson.Message](t, out)
+				opsjson.SameIDs(t, "ls", opsjson.IDs(ms), 104, 105)
 				if ms[0].State != "parked" || *ms[0].TargetTopic != "payments.retry" || *ms[0].Reason != "unknown_topic: no such topic" || ms[0].Attempt != 1 {
 					t.Errorf("ls: %+v", ms[0])
 				}
@@ -216,7 +81,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "ls by reason, case-insensitive", args: []string{"ls", "--state", "rejected", "--reason", "MISSING", "--json"},
 			json: func(t *testing.T, out string) {
-				sameIDs(t, "ls", ids(decode[[]jsonMessage](t, out)), 106, 108)
+				opsjson.SameIDs(t, "ls", opsjson.IDs(opsjson.Decode[[]opsjson.Message](t, out)), 106, 108)
 			},
 		},
 		{
@@ -269,7 +134,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "show --json", args: []string{"show", "102", "--json"},
 			json: func(t *testing.T, out string) {
-				s := decode[jsonStory](t, out)
+				s := opsjson.Decode[opsjson.Story](t, out)
 				m := s.Message
 				if m.ID != 102 || m.IsHead || *m.PendingAhead != 1 || *m.ValueBytes != 300 || !m.ValueTruncated ||
 					*m.Value != strings.Repeat("é", 128) || len(s.Headers) != 0 || len(s.Lineage) != 1 ||
@@ -281,7 +146,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "show binary --json", args: []string{"show", "--json", "103"},
 			json: func(t *testing.T, out string) {
-				m := decode[jsonStory](t, out).Message
+				m := opsjson.Decode[opsjson.Story](t, out).Message
 				if *m.KeyEncoding != "hex" || *m.Key != `\xff00` || *m.ValueEncoding != "hex" || *m.Value != `\xdeadbeef` || !m.IsHead {
 					t.Errorf("show: %+v", m)
 				}
@@ -290,7 +155,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "show headers --json", args: []string{"show", "--json", "101"},
 			json: func(t *testing.T, out string) {
-				s := decode[jsonStory](t, out)
+				s := opsjson.Decode[opsjson.Story](t, out)
 				if len(s.Headers) != 5 || s.Headers[2].Key != "bin" || s.Headers[2].Encoding != "hex" || s.Headers[2].Value != `\x00ff` ||
 					s.Headers[4].Value != "\x1b[2J" || *s.Message.ErrorClass != "ProviderTimeout" {
 					t.Errorf("show: %+v", s)
@@ -313,7 +178,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "show a parked message that released its key", args: []string{"show", "105", "--json"},
 			json: func(t *testing.T, out string) {
-				s := decode[jsonStory](t, out)
+				s := opsjson.Decode[opsjson.Story](t, out)
 				m := s.Message
 				if m.State != "parked" || m.HoldsKey || m.ParkHoldsKey || m.ParkedAt == nil || m.IsHead || len(s.History) != 1 ||
 					s.History[0].Event != "parked" || *s.History[0].Reason != "not_authorized: topic ACL" {
@@ -324,7 +189,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "show the history of a lineage", args: []string{"show", "102", "--json"},
 			json: func(t *testing.T, out string) {
-				h := decode[jsonStory](t, out).History
+				h := opsjson.Decode[opsjson.Story](t, out).History
 				if len(h) != 2 || h[0].LineageID != 101 || h[0].MessageID != 101 || h[0].Event != "deferred" || h[0].Attempt != 2 ||
 					*h[0].ErrorClass != "ProviderTimeout" || *h[0].ErrorMessage != "upstream 504" || h[1].MessageID != 102 || h[1].LineageID != 101 {
 					t.Errorf("history: %+v", h)
@@ -341,7 +206,7 @@ func TestOpsCommands(t *testing.T) {
 				if !strings.Contains(out, `"message": null`) {
 					t.Errorf("want message null:\n%s", out)
 				}
-				if h := decode[jsonStory](t, out).History; len(h) != 1 || h[0].MessageID != 112 {
+				if h := opsjson.Decode[opsjson.Story](t, out).History; len(h) != 1 || h[0].MessageID != 112 {
 					t.Errorf("history: %+v", h)
 				}
 			},
@@ -366,7 +231,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "held --json", args: []string{"held", "--json"},
 			json: func(t *testing.T, out string) {
-				h := decode[[]jsonHeld](t, out)
+				h := opsjson.Decode[[]opsjson.Held](t, out)
 				if len(h) != 3 || h[0].Kind != "parked" || *h[0].BusinessKey != "order-3" || h[0].HeadID != 104 || h[0].NextRunAt != nil ||
 					h[0].ParkedAt == nil || *h[0].Reason != "unknown_topic: no such topic" ||
 					h[1].Kind != "backing_off" || h[1].NextRunAt == nil || h[2].Kind != "leased" || *h[2].BusinessKey != "leased-1" {
@@ -389,18 +254,18 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "expedite --target --json", args: []string{"expedite", "--target", "orders.retry", "--json"},
 			json: func(t *testing.T, out string) {
-				c := decode[jsonChange](t, out)
+				c := opsjson.Decode[opsjson.Change](t, out)
 				if c.Expedited == nil || *c.Expedited != 3 {
 					t.Errorf("expedite: %+v", c)
 				}
-				sameIDs(t, "expedite", ids(c.Messages), 102, 110, 111)
+				opsjson.SameIDs(t, "expedite", opsjson.IDs(c.Messages), 102, 110, 111)
 			},
 			check: `SELECT count(*) = 0 FROM deferred_message WHERE target_topic = 'orders.retry' AND state = 'pending' AND next_run_at > now()`,
 		},
 		{
 			name: "expedite --id", args: []string{"expedite", "--id", "103,110", "--json"},
 			json: func(t *testing.T, out string) {
-				sameIDs(t, "expedite", ids(decode[jsonChange](t, out).Messages), 103, 110)
+				opsjson.SameIDs(t, "expedite", opsjson.IDs(opsjson.Decode[opsjson.Change](t, out).Messages), 103, 110)
 			},
 			check: `SELECT bool_and(next_run_at <= now()) FROM deferred_message WHERE id IN (103, 110)`,
 		},
@@ -432,11 +297,11 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "cancel --json, flags among ids", args: []string{"cancel", "101", "--json", "109"},
 			json: func(t *testing.T, out string) {
-				c := decode[jsonChange](t, out)
+				c := opsjson.Decode[opsjson.Change](t, out)
 				if c.Cancelled == nil || *c.Cancelled != 2 {
 					t.Errorf("cancel: %+v", c)
 				}
-				sameIDs(t, "cancel", ids(c.Messages), 101, 109)
+				opsjson.SameIDs(t, "cancel", opsjson.IDs(c.Messages), 101, 109)
 			},
 			check: `SELECT (SELECT head_id = 102 FROM deferred_key WHERE business_key = 'order-1')
 			           AND NOT EXISTS (SELECT 1 FROM deferred_key WHERE business_key = 'held-1')`,
@@ -472,7 +337,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "park --json", args: []string{"park", "--json", "--reason", "x", "103,110"},
 			json: func(t *testing.T, out string) {
-				c := decode[jsonChange](t, out)
+				c := opsjson.Decode[opsjson.Change](t, out)
 				if c.Parked == nil || *c.Parked != 2 || c.Messages[0].State != "parked" || *c.Messages[0].Reason != "parked by operator: x" {
 					t.Errorf("park: %+v", c)
 				}
@@ -511,7 +376,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "targets --json", args: []string{"targets", "--json"},
 			json: func(t *testing.T, out string) {
-				ts := decode[[]jsonTarget](t, out)
+				ts := opsjson.Decode[[]opsjson.Target](t, out)
 				if len(ts) != 2 || ts[0].TargetTopic != "audit.retry" || !ts[0].Paused || *ts[0].Note != "seeded pause" || ts[0].RateLimit != nil ||
 					ts[1].TargetTopic != "bulk.retry" || ts[1].Paused || *ts[1].RateLimit != 25 {
 					t.Errorf("targets: %+v", ts)
@@ -527,7 +392,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "pause again replaces the note, keeps the limit", args: []string{"pause", "--json", "bulk.retry"},
 			json: func(t *testing.T, out string) {
-				c := decode[jsonTargetChange](t, out)
+				c := opsjson.Decode[opsjson.TargetChange](t, out)
 				if !c.Changed || !c.Target.Paused || c.Target.Note != nil || *c.Target.RateLimit != 25 || c.Note != "" {
 					t.Errorf("pause: %+v", c)
 				}
@@ -546,7 +411,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "resume a target that is not paused", args: []string{"resume", "bulk.retry", "--json"},
 			json: func(t *testing.T, out string) {
-				c := decode[jsonTargetChange](t, out)
+				c := opsjson.Decode[opsjson.TargetChange](t, out)
 				if c.Changed || c.Target.TargetTopic != "bulk.retry" || c.Note != "target bulk.retry is not paused; nothing changed" {
 					t.Errorf("resume: %+v", c)
 				}
@@ -564,7 +429,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "limit --json", args: []string{"limit", "--json", "audit.retry", "1e2"},
 			json: func(t *testing.T, out string) {
-				c := decode[jsonTargetChange](t, out)
+				c := opsjson.Decode[opsjson.TargetChange](t, out)
 				if !c.Changed || *c.Target.RateLimit != 100 || !c.Target.Paused {
 					t.Errorf("limit: %+v", c)
 				}
@@ -616,7 +481,7 @@ func TestOpsCommands(t *testing.T) {
 			var db pgtest.DB
 			if env == nil {
 				db = pgtest.NewDB(t)
-				seedOps(t, db.Pool)
+				fixture.SeedOps(t, db.Pool)
 				env = []string{"DATABASE_URL=" + db.URL}
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -684,7 +549,7 @@ func TestOpsCommands(t *testing.T) {
 // column starts where its heading does.
 func TestOpsTablesAlign(t *testing.T) {
 	db := pgtest.NewDB(t)
-	seedOps(t, db.Pool)
+	fixture.SeedOps(t, db.Pool)
 	var stdout, stderr bytes.Buffer
 	if code := run(context.Background(), []string{"ls", "--limit", "100"}, []string{"DATABASE_URL=" + db.URL}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr.String())

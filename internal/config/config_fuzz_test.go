@@ -1,4 +1,4 @@
-package main
+package config
 
 import (
 	"errors"
@@ -14,7 +14,7 @@ var fuzzedVars = []string{
 }
 
 // FuzzConfig feeds arbitrary values for a handful of variables to
-// loadConfig. Whatever they hold: it does not panic; every problem it reports
+// Load. Whatever they hold: it does not panic; every problem it reports
 // names a variable; and no error quotes a secret (the SASL password, or a key
 // of SIGNING_KEYS).
 func FuzzConfig(f *testing.F) {
@@ -43,7 +43,7 @@ func FuzzConfig(f *testing.F) {
 			}
 			return env
 		}
-		_, err := loadConfig(environ(password))
+		_, err := Load(environ(password))
 		if err == nil {
 			return
 		}
@@ -55,7 +55,7 @@ func FuzzConfig(f *testing.F) {
 		// variable's check fail (KAFKA_TIMEOUT and LEASE_DURATION).
 		for _, leaf := range leafErrors(err) {
 			named := false
-			for _, v := range envVars() {
+			for _, v := range Vars() {
 				named = named || strings.HasPrefix(leaf.Error(), v.Name)
 			}
 			if !named {
@@ -67,7 +67,7 @@ func FuzzConfig(f *testing.F) {
 		// some other value or fixed wording, so the same configuration with
 		// another password must then show it too.
 		if len(password) >= 4 && strings.Contains(text, password) {
-			_, other := loadConfig(environ("other-password"))
+			_, other := Load(environ("other-password"))
 			if other == nil || !strings.Contains(other.Error(), password) {
 				t.Errorf("KAFKA_SASL_PASSWORD %q appears in the error:\n%s", password, text)
 			}

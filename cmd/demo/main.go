@@ -1,3 +1,8 @@
+// Command demo runs the scheduler end to end with nothing set up and
+// narrates a short scenario: deferral, per-key order, an SQL expedite and a
+// rejected record. `make demo` runs it. It needs PostgreSQL's server
+// binaries for a throwaway cluster (scripts/install-postgres.sh installs
+// them; make demo runs it first), or DATABASE_URL.
 package main
 
 import (
@@ -6,9 +11,12 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/url"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -17,26 +25,34 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/twmb/franz-go/pkg/kfake"
 
+	"github.com/deferq/scheduler/internal/cmdflag"
+	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/internal/service"
 )
 
 const (
 	demoTarget = "payments.retry"
 )
 
-// cmdDemo runs the service end to end on embedded defaults and narrates a
-// short scenario: deferral, holding, per-key order, an SQL expedite and a
-// rejected record.
-func cmdDemo(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Environ(), os.Stdout, os.Stderr))
+}
+
+// run is main without the process: it runs the service end to end on
+// embedded defaults and narrates the scenario, and returns the exit code.
+func run(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	verbose := fs.Bool("v", false, "also print the service's own logs")
-	if done, code := parseFlags(fs, args, stdout, stderr, func(w io.Writer) {
-		fmt.Fprint(w, `Usage: scheduler demo [flags]
+	if done, code := cmdflag.Parse(fs, args, stdout, stderr, func(w io.Writer) {
+		fmt.Fprint(w, `Usage: demo [flags]   (make demo)
 
 Runs the scheduler end to end with nothing set up: a throwaway PostgreSQL
-cluster from the system's binaries (installed with apt-get when missing and
-running as root), or DATABASE_URL when set (the demo then works in a schema of
-its own, dropped at the end), and an in-process Kafka broker.
+cluster from the system's binaries (scripts/install-postgres.sh installs them;
+make demo runs it first), or DATABASE_URL when set (the demo then works in a
+schema of its own, dropped at the end), and an in-process Kafka broker.
 A scripted scenario shows messages deferred, held, republished in per-key
 order, one expedited with SQL, and one bad record rejected with its reason.
 It ends by itself (about 15 seconds) and removes what it created.
@@ -47,7 +63,7 @@ It ends by itself (about 15 seconds) and removes what it created.
 	}
 	d := &demo{out: stdout}
 	if err := d.run(ctx, environ, *verbose, stderr); err != nil {
-		fmt.Fprintf(stderr, "scheduler demo: %v\n", err)
+		fmt.Fprintf(stderr, "demo: %v\n", err)
 		return 1
 	}
 	return 0
@@ -64,13 +80,10 @@ func (d *demo) say(format string, args ...any) {
 
 func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr io.Writer) error {
 	d.start = time.Now()
-	dbURL := lookup(environ, "DATABASE_URL")
+	dbURL := cmdflag.Lookup(environ, "DATABASE_URL")
 	if dbURL == "" {
 		if _, err := pglocal.Binaries(); err != nil {
-			d.say("PostgreSQL server binaries not found; installing the postgresql package")
-			if err := pglocal.Install(ctx, d.out); err != nil {
-				return err
-			}
+			return fmt.Errorf("%w: run scripts/install-postgres.sh (make demo does), or set DATABASE_URL to a PostgreSQL server", err)
 		}
 		d.say("starting a throwaway PostgreSQL cluster")
 		cluster, err := pglocal.Start(ctx, pglocal.Options{})
@@ -79,7 +92,7 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 		}
 		defer func() {
 			if err := cluster.Stop(context.WithoutCancel(ctx)); err != nil {
-				fmt.Fprintf(stderr, "scheduler demo: stop PostgreSQL: %v\n", err)
+				fmt.Fprintf(stderr, "demo: stop PostgreSQL: %v\n", err)
 			}
 			d.say("removed the throwaway PostgreSQL cluster")
 		}()
@@ -93,7 +106,7 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 		}
 		defer func() {
 			if err := drop(context.WithoutCancel(ctx)); err != nil {
-				fmt.Fprintf(stderr, "scheduler demo: %v\n", err)
+				fmt.Fprintf(stderr, "demo: %v\n", err)
 			}
 			d.say("dropped the demo's schema")
 		}()
@@ -109,27 +122,31 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	addr := broker.ListenAddrs()[0]
 	d.say("in-process Kafka broker on %s with topics scheduler.defer and %s", addr, demoTarget)
 
-	cfg, err := loadConfig(append(environ,
+	cfg, err := config.Load(append(environ,
 		"DATABASE_URL="+dbURL, "KAFKA_BROKERS="+addr, "TARGET_TOPICS=payments.*",
 		"HTTP_ADDR=127.0.0.1:0", "CONSUMER_GROUP=demo-scheduler", "POLL_INTERVAL=200ms",
 		"DISPATCH_LOOPS=2", "DISPATCH_WORKERS=2"))
 	if err != nil {
 		return err
 	}
-	logger := discardLogger()
+	logger := slog.New(slog.DiscardHandler)
 	if verbose {
-		logger = cfg.logger(stderr)
+		logger = cfg.Logger(stderr)
 	}
 	svcCtx, stopSvc := context.WithCancel(ctx)
 	defer stopSvc()
-	svc, err := newService(svcCtx, cfg, logger, true)
+	svc, err := service.New(svcCtx, cfg, logger, service.Options{Migrate: true, Version: "demo"})
 	if err != nil {
 		return err
 	}
-	pool := svc.pool
+	pool, err := pgxpool.New(ctx, dbURL)
+	if err != nil {
+		return fmt.Errorf("connect to the demo's database: %w", err)
+	}
+	defer pool.Close()
 	d.say("migrated the database; scheduler running (TARGET_TOPICS=payments.*)")
 	svcDone := make(chan error, 1)
-	go func() { svcDone <- svc.run(svcCtx) }()
+	go func() { svcDone <- svc.Run(svcCtx) }()
 	scenarioErr := d.scenario(ctx, pool, addr)
 	stopSvc()
 	if err := errors.Join(scenarioErr, <-svcDone); err != nil {
@@ -171,15 +188,6 @@ func demoSchema(ctx context.Context, dbURL string) (string, func(context.Context
 		return nil
 	}
 	return u.String(), drop, nil
-}
-
-func lookup(environ []string, name string) string {
-	for _, kv := range environ {
-		if k, v, ok := strings.Cut(kv, "="); ok && k == name {
-			return v
-		}
-	}
-	return ""
 }
 
 type demoRecord struct {

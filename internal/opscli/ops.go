@@ -1,11 +1,11 @@
-package main
-
-// The operator commands: status, ls, show, expedite, cancel and park. Each is
-// a thin wrapper over files of the SQL runbook (sql/runbook), run with the
-// variables an operator would pass to psql, so the CLI and the runbook cannot
-// drift apart. Output is an aligned table, or JSON with --json; an error is
-// one line on stderr (JSON with --json) and a non-zero exit: 2 for a usage
-// error (nothing was attempted), 1 for anything else.
+// Package opscli holds the scheduler's operator commands: status, ls, show,
+// held, expedite, cancel, park, replay, pause, resume, limit and targets.
+// Each is a thin wrapper over files of the SQL runbook (sql/runbook), run
+// with the variables an operator would pass to psql, so the CLI and the
+// runbook cannot drift apart. Output is an aligned table, or JSON with
+// --json; an error is one line on stderr (JSON with --json) and a non-zero
+// exit: 2 for a usage error (nothing was attempted), 1 for anything else.
+package opscli
 
 import (
 	"context"
@@ -20,6 +20,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/deferq/scheduler/internal/cmdflag"
 )
 
 // opsConnectTimeout bounds connecting to the database: an operator asking a
@@ -157,7 +159,7 @@ func (o *ops) printJSON(v any) error {
 func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) {
 	// Only DATABASE_URL: an operator command must not fail over a Kafka
 	// setting it never uses.
-	dbURL := lookup(environ, "DATABASE_URL")
+	dbURL := cmdflag.Lookup(environ, "DATABASE_URL")
 	if dbURL == "" {
 		return nil, usagef("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db")
 	}

@@ -1,4 +1,4 @@
-package main
+package opscli
 
 import (
 	"bytes"
@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/opscli/opsjson"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -102,7 +104,7 @@ type jsonReplay struct {
 	LeftAlone     int      `json:"left_alone"`
 	Rate          *float64 `json:"rate"`
 	Messages      []struct {
-		jsonMessage
+		opsjson.Message
 		RedriveCount int `json:"redrive_count"`
 	} `json:"messages"`
 }
@@ -200,7 +202,7 @@ func TestReplay(t *testing.T) {
 			if code != 0 {
 				t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout.String(), stderr.String())
 			}
-			r := decode[jsonReplay](t, stdout.String())
+			r := opsjson.Decode[jsonReplay](t, stdout.String())
 			var got []int64
 			for _, m := range r.Messages {
 				got = append(got, m.ID)
@@ -208,11 +210,11 @@ func TestReplay(t *testing.T) {
 					t.Errorf("replayed message %+v", m)
 				}
 			}
-			sameIDs(t, "replayed", got, tt.replayed...)
+			opsjson.SameIDs(t, "replayed", got, tt.replayed...)
 			if r.Replayed != len(tt.replayed) || r.LeftAlone != 0 || r.DryRun || r.Matched != len(tt.replayed)+len(tt.notReplayable) {
 				t.Errorf("report: %+v", r)
 			}
-			sameIDs(t, "not replayable", r.NotReplayable, tt.notReplayable...)
+			opsjson.SameIDs(t, "not replayable", r.NotReplayable, tt.notReplayable...)
 			for id, row := range before {
 				moved := slices.ContainsFunc(tt.replayed, func(r int64) bool { return id == strconv.FormatInt(r, 10) })
 				if !moved && after[id] != row {
@@ -251,7 +253,7 @@ func TestReplayStaggered(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr.String())
 	}
-	r := decode[jsonReplay](t, stdout.String())
+	r := opsjson.Decode[jsonReplay](t, stdout.String())
 	if r.Rate == nil || *r.Rate != 10 || r.Replayed != 3 {
 		t.Fatalf("report: %+v", r)
 	}
@@ -278,7 +280,7 @@ func TestReplayStaggered(t *testing.T) {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	sameIDs(t, "due order", order, 206, 211, 212)
+	opsjson.SameIDs(t, "due order", order, 206, 211, 212)
 	if !slices.Equal(offsets, []float64{0, 0.1, 0.2}) {
 		t.Errorf("due times %v seconds after the first, want [0 0.1 0.2]", offsets)
 	}
@@ -459,7 +461,7 @@ func TestReplayLeavesChangedRowsAlone(t *testing.T) {
 	if _, err := db.Pool.Exec(ctx, `UPDATE deferred_message SET reason = 'permanent: now' WHERE id = 204`); err != nil {
 		t.Fatal(err)
 	}
-	vars := replayVars(map[string]string{"ids": "201,204", "reason": "exhausted", "rate": "", "reset_attempts": "false"})
+	vars := fixture.ReplayVars(map[string]string{"ids": "201,204", "reason": "exhausted", "rate": "", "reset_attempts": "false"})
 	conn, err := db.Pool.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)

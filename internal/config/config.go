@@ -1,4 +1,9 @@
-package main
+// Package config reads and checks the service's configuration: environment
+// variables, each with its default, the form a valid value takes and a help
+// line, as `scheduler run --help` prints them and the README's table lists
+// them (a test keeps the two equal). Every error names the variable and the
+// accepted form, and every problem is reported at once.
+package config
 
 import (
 	"errors"
@@ -23,11 +28,11 @@ import (
 	"github.com/deferq/scheduler/internal/policy"
 )
 
-// config is the service's configuration, read from the environment. The
+// Config is the service's configuration, read from the environment. The
 // `form` tag says what a valid value looks like: it is printed by --help and
 // in every error about the variable. The README's table lists the same
 // variables with the same defaults (a test checks that).
-type config struct {
+type Config struct {
 	DatabaseURL   string        `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate)"`
 	KafkaBrokers  []string      `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
 	DeferTopic    string        `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
@@ -80,6 +85,7 @@ type config struct {
 	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
 	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message"`
 
+	// What validate builds from the variables; see the accessors below.
 	targets    deferral.TargetPatterns
 	policies   *policy.Set
 	classifier policy.Classifier
@@ -88,16 +94,16 @@ type config struct {
 	raw map[string]string
 }
 
-// loadConfig reads the configuration from environ (os.Environ form) and
+// Load reads the configuration from environ (os.Environ form) and
 // validates it. Every error names the variable and the accepted form.
-func loadConfig(environ []string) (config, error) {
+func Load(environ []string) (Config, error) {
 	vars := map[string]string{}
 	for _, kv := range environ {
 		if k, v, ok := strings.Cut(kv, "="); ok {
 			vars[k] = v
 		}
 	}
-	var c config
+	var c Config
 	perr := env.ParseWithOptions(&c, env.Options{Environment: vars})
 	// raw is quoted in errors; secrets must never be.
 	delete(vars, "SIGNING_KEYS")
@@ -116,7 +122,7 @@ func loadConfig(environ []string) (config, error) {
 		for _, e := range agg.Errors {
 			var pe env.ParseError
 			if errors.As(e, &pe) {
-				if f, ok := reflect.TypeFor[config]().FieldByName(pe.Name); ok {
+				if f, ok := reflect.TypeFor[Config]().FieldByName(pe.Name); ok {
 					failed[f.Tag.Get("env")] = true
 				}
 			}
@@ -148,7 +154,7 @@ func explainEnvError(err error, vars map[string]string) error {
 	for _, e := range agg.Errors {
 		var pe env.ParseError
 		if errors.As(e, &pe) {
-			if f, ok := reflect.TypeFor[config]().FieldByName(pe.Name); ok {
+			if f, ok := reflect.TypeFor[Config]().FieldByName(pe.Name); ok {
 				name := f.Tag.Get("env")
 				out = append(out, fmt.Errorf("%s=%q is not valid (%v): want %s", name, vars[name], pe.Err, f.Tag.Get("form")))
 				continue
@@ -159,7 +165,7 @@ func explainEnvError(err error, vars map[string]string) error {
 	return errors.Join(out...)
 }
 
-func (c *config) bad(name, value, form string, why ...any) error {
+func (c *Config) bad(name, value, form string, why ...any) error {
 	if v, ok := c.raw[name]; ok {
 		value = v // as typed, not as Go prints the parsed value
 	}
@@ -172,7 +178,7 @@ func (c *config) bad(name, value, form string, why ...any) error {
 
 // validate checks values beyond their type. It reports every problem, not
 // just the first, so one start-up attempt shows everything to fix.
-func (c *config) validate() error {
+func (c *Config) validate() error {
 	var errs []error
 	intRange := func(name string, v, lo, hi int) {
 		if v < lo || v > hi {
@@ -303,7 +309,7 @@ func (c *config) validate() error {
 	}
 	if !kafkaOK {
 		// Already reported by variable.
-	} else if kc, err := c.kafka().Config(); err != nil {
+	} else if kc, err := c.Kafka().Config(); err != nil {
 		errs = append(errs, fmt.Errorf("KAFKA_* settings: %w", err))
 	} else if limit := dispatch.MaxPublishDuration(dispatch.ProducerConfig(kc)); c.LeaseDuration <= limit {
 		errs = append(errs, c.bad("LEASE_DURATION", c.LeaseDuration.String(),
@@ -315,7 +321,7 @@ func (c *config) validate() error {
 // loadSigning reads the signing keys of SIGNING_KEYS and SIGNING_KEYS_FILE
 // into c.signing. Its errors name the variable, the entry or line, and the
 // source, but never quote a key or the value of SIGNING_KEYS.
-func (c *config) loadSigning() []error {
+func (c *Config) loadSigning() []error {
 	var errs []error
 	keys, err := deferral.ParseSigningKeys(string(c.SigningKeys))
 	errs = append(errs, prefixed("SIGNING_KEYS (value not shown)", err)...)
@@ -369,8 +375,23 @@ func (secret) Format(f fmt.State, _ rune) { _, _ = io.WriteString(f, "(not shown
 // LogValue implements slog.LogValuer.
 func (secret) LogValue() slog.Value { return slog.StringValue("(not shown)") }
 
-// requireRun checks what only `run` needs.
-func (c *config) requireRun() error {
+// Targets returns TARGET_TOPICS as patterns.
+func (c *Config) Targets() deferral.TargetPatterns { return c.targets }
+
+// Policies returns the retry policies RETRY_POLICIES sets, capped at
+// MAX_DELAY.
+func (c *Config) Policies() *policy.Set { return c.policies }
+
+// Classifier returns NON_RETRIABLE_ERRORS as an error-class classifier.
+func (c *Config) Classifier() policy.Classifier { return c.classifier }
+
+// Signing returns the signing keys of SIGNING_KEYS and SIGNING_KEYS_FILE and
+// SIGNING_REQUIRED, or nil when no key is configured and signing is not
+// required.
+func (c *Config) Signing() *deferral.Signing { return c.signing }
+
+// RequireRun checks what only `run` needs.
+func (c *Config) RequireRun() error {
 	var errs []error
 	if c.DatabaseURL == "" {
 		errs = append(errs, errors.New("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db"))
@@ -381,7 +402,8 @@ func (c *config) requireRun() error {
 	return errors.Join(errs...)
 }
 
-func (c *config) kafka() kafkaclient.Settings {
+// Kafka returns the settings of the service's Kafka clients.
+func (c *Config) Kafka() kafkaclient.Settings {
 	return kafkaclient.Settings{
 		Version: c.KafkaVersion, ClientID: c.KafkaClientID, Timeout: c.KafkaTimeout,
 		TLS: c.KafkaTLS, TLSCAFile: c.KafkaTLSCAFile, TLSCertFile: c.KafkaTLSCertFile, TLSKeyFile: c.KafkaTLSKeyFile,
@@ -390,7 +412,8 @@ func (c *config) kafka() kafkaclient.Settings {
 	}
 }
 
-func (c *config) logger(w io.Writer) *slog.Logger {
+// Logger returns the logger LOG_LEVEL and LOG_FORMAT ask for, writing to w.
+func (c *Config) Logger(w io.Writer) *slog.Logger {
 	var level slog.Level
 	_ = level.UnmarshalText([]byte(c.LogLevel)) // validated
 	opts := &slog.HandlerOptions{Level: level}
@@ -400,34 +423,62 @@ func (c *config) logger(w io.Writer) *slog.Logger {
 	return slog.New(slog.NewTextHandler(w, opts))
 }
 
-// fieldForm returns the form tag of the config field named name, so that a
+// LogPolicies logs the effective retry rules, one line per policy entry in
+// the order they are tried, so that what a message will get can be read off
+// the start-up log.
+func (c *Config) LogPolicies(logger *slog.Logger) {
+	// Set.String renders "pattern: policy" entries joined by "; ", the
+	// default last; neither patterns nor policies can contain ";".
+	for e := range strings.SplitSeq(c.policies.String(), "; ") {
+		targets, pol, _ := strings.Cut(e, ": ")
+		logger.Info("retry policy", "targets", targets, "policy", pol)
+	}
+	// "permanent" is always parked; NON_RETRIABLE_ERRORS adds to it.
+	classes := "permanent"
+	if p := c.classifier.String(); p != "" {
+		classes += "," + p
+	}
+	logger.Info("error classes parked without retry", "patterns", classes)
+	logger.Info("attempt history", "retention", c.HistoryRetention)
+	// Sources only: keys are never logged.
+	if srcs := c.signing.Sources(); len(srcs) > 0 {
+		logger.Info("record signing", "sources", strings.Join(srcs, ","), "required", c.signing.Required())
+	}
+}
+
+// fieldForm returns the form tag of the Config field named name, so that a
 // long form is written once.
 func fieldForm(name string) string {
-	f, _ := reflect.TypeFor[config]().FieldByName(name)
+	f, _ := reflect.TypeFor[Config]().FieldByName(name)
 	return f.Tag.Get("form")
 }
 
-// envVar describes one variable, for --help and the README check.
-type envVar struct {
+// Var describes one variable: its name, default ("" for none), the form a
+// valid value takes, and what it does. --help prints them; tests check the
+// README and compose.yaml against them.
+type Var struct {
 	Name, Default, Form, Help string
 }
 
-func envVars() []envVar {
-	t := reflect.TypeFor[config]()
-	var out []envVar
+// Vars returns every variable Config reads, in its field order.
+func Vars() []Var {
+	t := reflect.TypeFor[Config]()
+	var out []Var
 	for i := range t.NumField() {
 		f := t.Field(i)
 		if name := f.Tag.Get("env"); name != "" {
-			out = append(out, envVar{Name: name, Default: f.Tag.Get("envDefault"), Form: f.Tag.Get("form"), Help: f.Tag.Get("help")})
+			out = append(out, Var{Name: name, Default: f.Tag.Get("envDefault"), Form: f.Tag.Get("form"), Help: f.Tag.Get("help")})
 		}
 	}
 	return out
 }
 
-func printEnvHelp(w io.Writer) {
+// PrintEnvHelp writes the table of variables `scheduler run --help` shows:
+// name, default and meaning.
+func PrintEnvHelp(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
 	fmt.Fprintln(tw, "  VARIABLE\tDEFAULT\tMEANING")
-	for _, v := range envVars() {
+	for _, v := range Vars() {
 		def := v.Default
 		if def == "" {
 			def = "-"

@@ -14,6 +14,8 @@ import (
 // `make demo` must keep working: run the scenario, once on a throwaway
 // cluster as on a fresh machine, once on a given DATABASE_URL, which it must
 // leave as it found it.
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
 func TestDemo(t *testing.T) {
 	db := pgtest.NewDB(t)
 	tests := []struct {
@@ -29,7 +31,7 @@ func TestDemo(t *testing.T) {
 			defer cancel()
 			var out, errOut bytes.Buffer
 			env := append([]string{"PATH=" + os.Getenv("PATH")}, tt.env...)
-			if code := run(ctx, []string{"demo"}, env, &out, &errOut); code != 0 {
+			if code := run(ctx, nil, env, &out, &errOut); code != 0 {
 				t.Fatalf("demo exited %d\nstdout:\n%s\nstderr:\n%s", code, out.String(), errOut.String())
 			}
 			for _, want := range []string{

@@ -1,4 +1,4 @@
-package main
+package opscli
 
 // The per-target controls: pause, resume, limit and targets, over the
 // target_control rows of the runbook files pause_target.sql,

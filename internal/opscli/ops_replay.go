@@ -1,4 +1,4 @@
-package main
+package opscli
 
 // scheduler replay: parked or rejected messages back to pending, chosen by
 // filters, previewed first (replay_preview.sql), then moved in one statement

@@ -1,121 +1,21 @@
-package main
+package opscli
 
 import (
 	"context"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
+	"github.com/deferq/scheduler/internal/fixture"
 	"github.com/deferq/scheduler/internal/pgtest"
 	"github.com/deferq/scheduler/sql/runbook"
 )
 
-// runbookDir is the runbook as an operator runs it, relative to this package.
-const runbookDir = repoRoot + "/sql/runbook"
-
-// seedOps fills a database with a known set of messages, one of each thing
-// an operator looks for:
-//
-//	101 order-1  orders.retry    pending, due 2 minutes ago (the oldest due head), 5 headers
-//	                             (binary, non-ASCII, and one that would clear a terminal)
-//	102 order-1  orders.retry    pending, due in an hour, re-defers 101, 300-byte value
-//	103 order-2  payments.retry  pending, due in an hour, binary key and value
-//	104 order-3  payments.retry  parked 10 minutes ago, unknown_topic, holds its key
-//	105 order-4  payments.retry  parked 5 minutes ago, not_authorized, released its key
-//	106 -        -               rejected now, missing_target
-//	107 -        orders.retry    rejected now, invalid_delay
-//	108 -        -               rejected 2 hours ago, missing_target
-//	109 held-1   orders.retry    pending, due a minute ago, key backing off after 3 failures
-//	110 leased-1 orders.retry    pending, due in 10 minutes, key leased by test-loop
-//	111 (none)   orders.retry    pending, unordered, due in 30 minutes
-//	112 order-9  orders.retry    gone (delivered): only its history remains
-//
-// and per-target controls: audit.retry paused ("seeded pause"), bulk.retry
-// limited to 25 messages per second with 25 tokens saved up.
-func seedOps(t *testing.T, pool *pgxpool.Pool) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	const seed = `
-INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at, state, reason, attempt,
-                              error_class, error_message, origin_id, created_at, key, value, header_keys, header_values,
-                              park_holds_key, parked_at)
-VALUES
- (101, 'order-1', 1, 'orders.retry', now() - interval '2 minutes', 'pending', NULL, 2,
-  'ProviderTimeout', 'upstream 504', NULL, now(), 'order-1', '{"order":1}',
-  '{defer.target,trace,bin,note,evil}',
-  ARRAY['orders.retry'::bytea, 'abc'::bytea, '\x00ff'::bytea, convert_to('café', 'UTF8'), '\x1b5b324a'::bytea], true, NULL),
- (102, 'order-1', 2, 'orders.retry', now() + interval '1 hour', 'pending', NULL, 3,
-  NULL, NULL, 101, now(), 'order-1', convert_to(repeat('é', 150), 'UTF8'), '{}', '{}', true, NULL),
- (103, 'order-2', 3, 'payments.retry', now() + interval '1 hour', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), '\xff00', '\xdeadbeef', '{}', '{}', true, NULL),
- (104, 'order-3', 4, 'payments.retry', now() - interval '5 minutes', 'parked', 'unknown_topic: no such topic', 1,
-  NULL, NULL, NULL, now(), NULL, 'x', '{}', '{}', true, now() - interval '10 minutes'),
- (105, 'order-4', 5, 'payments.retry', now() - interval '5 minutes', 'parked', 'not_authorized: topic ACL', 1,
-  NULL, NULL, NULL, now(), NULL, 'y', '{}', '{}', false, now() - interval '5 minutes'),
- (106, NULL, 6, NULL, now(), 'rejected', 'missing_target: no defer.target header', 0,
-  NULL, NULL, NULL, now(), NULL, NULL, '{}', '{}', true, NULL),
- (107, NULL, 7, 'orders.retry', now(), 'rejected', 'invalid_delay: "soon" is not a duration', 0,
-  NULL, NULL, NULL, now(), NULL, NULL, '{}', '{}', true, NULL),
- (108, NULL, 8, NULL, now(), 'rejected', 'missing_target: no defer.target header', 0,
-  NULL, NULL, NULL, now() - interval '2 hours', NULL, NULL, '{}', '{}', true, NULL),
- (109, 'held-1', 9, 'orders.retry', now() - interval '1 minute', 'pending', NULL, 0,
-  'BrokerDown', NULL, NULL, now(), 'held-1', 'h', '{}', '{}', true, NULL),
- (110, 'leased-1', 10, 'orders.retry', now() + interval '10 minutes', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), 'leased-1', 'l', '{}', '{}', true, NULL),
- (111, NULL, 11, 'orders.retry', now() + interval '30 minutes', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), NULL, 'u', '{}', '{}', true, NULL),
- (112, 'order-9', 12, 'orders.retry', now() - interval '1 hour', 'pending', NULL, 0,
-  NULL, NULL, NULL, now(), NULL, 'z', '{}', '{}', true, NULL)`
-	for _, q := range []string{
-		seed,
-		// deferred_key is the triggers' to keep; a test may play dispatcher.
-		`UPDATE deferred_key SET failures = 3, leased_until = now() + interval '1 hour' WHERE business_key = 'held-1'`,
-		`UPDATE deferred_key SET leased_until = now() + interval '1 minute', leased_by = 'test-loop' WHERE business_key = 'leased-1'`,
-		// The dispatcher deletes what it delivered; the history stays.
-		`DELETE FROM deferred_message WHERE id = 112`,
-		`INSERT INTO target_control (target_topic, paused, note, rate_limit, tokens)
-		 VALUES ('audit.retry', true, 'seeded pause', NULL, 0), ('bulk.retry', false, NULL, 25, 25)`,
-	} {
-		if _, err := pool.Exec(ctx, q); err != nil {
-			t.Fatalf("seed: %v\n%s", err, q)
-		}
-	}
-}
-
-// psqlRun runs a runbook file with the real psql, unaligned and tuples only
-// (fields separated by |), stopping at the first error.
-func psqlRun(t *testing.T, dbURL, file string, vars map[string]string) (string, error) {
-	t.Helper()
-	psql, err := exec.LookPath("psql")
-	if err != nil {
-		t.Fatal("psql is not installed (Debian package postgresql-client); the runbook is meant for it")
-	}
-	args := []string{"-X", "-q", "-v", "ON_ERROR_STOP=1", "-At", "-d", dbURL}
-	for _, name := range slices.Sorted(func(yield func(string) bool) {
-		for k := range vars {
-			if !yield(k) {
-				return
-			}
-		}
-	}) {
-		args = append(args, "-v", name+"="+vars[name])
-	}
-	args = append(args, "-f", filepath.Join(runbookDir, file))
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, psql, args...)
-	cmd.Env = append(os.Environ(), "PGCONNECT_TIMEOUT=5", "PGTZ=UTC")
-	out, err := cmd.CombinedOutput()
-	return string(out), err
-}
+// repoRoot is the repository's root, relative to this package.
+const repoRoot = "../.."
 
 // TestRunbook runs every file in sql/runbook with psql against a seeded
 // database and checks what it prints and what it changed. A file without a
@@ -265,25 +165,25 @@ func TestRunbook(t *testing.T) {
 		},
 		{
 			name: "replay preview", file: "replay_preview.sql", lines: 2,
-			vars: replayVars(map[string]string{"target": "payments.%"}),
+			vars: fixture.ReplayVars(map[string]string{"target": "payments.%"}),
 			// Oldest parked first; 104 holds its key, 105 does not.
 			want:  []string{"104|order-3|4|payments.retry|parked|unknown_topic: no such topic||1|0|", "|t|t\n105|order-4|", "|f|t\n"},
 			check: `SELECT count(*) = 2 FROM deferred_message WHERE state = 'parked'`,
 		},
 		{
 			name: "replay preview by reason code and time", file: "replay_preview.sql", lines: 1,
-			vars: replayVars(map[string]string{"reason": "not_authorized", "since": "2000-01-01T00:00:00Z"}),
+			vars: fixture.ReplayVars(map[string]string{"reason": "not_authorized", "since": "2000-01-01T00:00:00Z"}),
 			want: []string{"105|order-4|"},
 		},
 		{
 			name: "replay preview of rejected records", file: "replay_preview.sql", lines: 2,
-			vars: replayVars(map[string]string{"state": "rejected", "ids": "106,107,999"}),
+			vars: fixture.ReplayVars(map[string]string{"state": "rejected", "ids": "106,107,999"}),
 			// 106 named no target: it cannot be replayed.
 			want: []string{"106||6||rejected|missing_target: no defer.target header|", "|f|f\n107||7|orders.retry|rejected|", "|f|t\n"},
 		},
 		{
 			name: "replay at a rate", file: "replay.sql", lines: 2,
-			vars: replayVars(map[string]string{"target": "payments.%", "rate": "4", "reset_attempts": "true"}),
+			vars: fixture.ReplayVars(map[string]string{"target": "payments.%", "rate": "4", "reset_attempts": "true"}),
 			want: []string{"104|order-3|4|payments.retry|pending|", "|0||1\n", "105|order-4|5|payments.retry|pending|"},
 			check: `SELECT (SELECT (b.next_run_at - a.next_run_at) = interval '250 milliseconds'
 			                FROM deferred_message a, deferred_message b WHERE a.id = 104 AND b.id = 105)
@@ -292,12 +192,12 @@ func TestRunbook(t *testing.T) {
 		},
 		{
 			name: "replay with no filter moves nothing", file: "replay.sql", lines: 0,
-			vars:  replayVars(map[string]string{"rate": "", "reset_attempts": "false"}),
+			vars:  fixture.ReplayVars(map[string]string{"rate": "", "reset_attempts": "false"}),
 			check: `SELECT count(*) = 2 FROM deferred_message WHERE state = 'parked'`,
 		},
 		{
 			name: "replay a rejected record with a target", file: "replay.sql", lines: 1,
-			vars:  replayVars(map[string]string{"state": "rejected", "ids": "106,107", "rate": "", "reset_attempts": "false"}),
+			vars:  fixture.ReplayVars(map[string]string{"state": "rejected", "ids": "106,107", "rate": "", "reset_attempts": "false"}),
 			want:  []string{"107||7|orders.retry|pending|"},
 			check: `SELECT (SELECT state = 'rejected' FROM deferred_message WHERE id = 106) AND (SELECT state = 'pending' FROM deferred_message WHERE id = 107)`,
 		},
@@ -372,12 +272,12 @@ func TestRunbook(t *testing.T) {
 		},
 	}
 
-	files, err := filepath.Glob(filepath.Join(runbookDir, "*.sql"))
+	files, err := filepath.Glob(filepath.Join(repoRoot, "sql", "runbook", "*.sql"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(files) == 0 {
-		t.Fatalf("no runbook files in %s", runbookDir)
+		t.Fatalf("no runbook files in %s", filepath.Join(repoRoot, "sql", "runbook"))
 	}
 	var onDisk []string
 	for _, f := range files {
@@ -394,13 +294,13 @@ func TestRunbook(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			db := pgtest.NewDB(t)
-			seedOps(t, db.Pool)
+			fixture.SeedOps(t, db.Pool)
 			if tt.setup != "" {
 				if _, err := db.Pool.Exec(context.Background(), tt.setup); err != nil {
 					t.Fatalf("setup: %v", err)
 				}
 			}
-			out, err := psqlRun(t, db.URL, tt.file, tt.vars)
+			out, err := fixture.Psql(t, db.URL, tt.file, tt.vars)
 			if err != nil {
 				t.Fatalf("psql -f %s: %v\n%s", tt.file, err, out)
 			}
@@ -498,15 +398,4 @@ func TestRunbookREADME(t *testing.T) {
 			t.Errorf("README.md, Operating it: no example of scheduler %s", cmd)
 		}
 	}
-}
-
-// replayVars are the variables of replay_preview.sql (and, with rate and
-// reset_attempts in set, replay.sql): set, over empty filters and state
-// parked.
-func replayVars(set map[string]string) map[string]string {
-	vars := map[string]string{"state": "parked", "ids": "", "target": "", "key": "", "error_class": "", "reason": "", "since": "", "until": ""}
-	for k, v := range set {
-		vars[k] = v
-	}
-	return vars
 }

@@ -1,4 +1,9 @@
-package main
+// Package service wires the scheduler's parts into the process `scheduler
+// run` is: the configuration, the Postgres pool, the Kafka clients, ingest,
+// the dispatch runtime, the HTTP server of /healthz, /readyz and /metrics,
+// the backlog gauges, and a shutdown bounded by SHUTDOWN_TIMEOUT. It also
+// holds the run and migrate commands, which parse their flags and call it.
+package service
 
 import (
 	"context"
@@ -23,6 +28,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/deferq/scheduler/internal/batchproducer"
+	"github.com/deferq/scheduler/internal/config"
 	deferral "github.com/deferq/scheduler/internal/defer"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/highwater"
@@ -31,9 +37,9 @@ import (
 	schedsql "github.com/deferq/scheduler/sql"
 )
 
-// service is one running scheduler: ingest, dispatch and the HTTP server.
-type service struct {
-	cfg      config
+// Service is one running scheduler: ingest, dispatch and the HTTP server.
+type Service struct {
+	cfg      config.Config
 	logger   *slog.Logger
 	pool     *pgxpool.Pool
 	producer *batchproducer.Producer
@@ -65,18 +71,27 @@ type service struct {
 	stopBy time.Time
 }
 
-// newService connects to everything and checks the schema. With migrate set
+// Options are what a command adds to the configuration.
+type Options struct {
+	// Migrate applies pending migrations before starting; without it, a
+	// database with pending migrations stops start-up.
+	Migrate bool
+	// Version is the binary's version, reported by scheduler_build_info.
+	Version string
+}
+
+// New connects to everything and checks the schema. With opts.Migrate set
 // it applies pending migrations first; otherwise pending migrations stop
 // start-up, since running on a schema the code does not expect corrupts data.
-func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bool) (_ *service, err error) {
-	s := &service{cfg: cfg, logger: logger, registry: prometheus.NewRegistry(), marks: &highwater.Marks{}}
+func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Options) (_ *Service, err error) {
+	s := &Service{cfg: cfg, logger: logger, registry: prometheus.NewRegistry(), marks: &highwater.Marks{}}
 	defer func() {
 		if err != nil {
 			s.close()
 		}
 	}()
 	s.registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	s.metrics = metrics.New(s.registry, version)
+	s.metrics = metrics.New(s.registry, opts.Version)
 	if limit, set := memoryLimit(cfg, os.Getenv("GOMEMLIMIT")); set {
 		debug.SetMemoryLimit(limit)
 		logger.Info("memory limit", "bytes", limit, "from", "INGEST_BUFFER_BYTES, DISPATCH_LOOPS and DISPATCH_ROUND_BYTES (GOMEMLIMIT overrides)")
@@ -85,7 +100,7 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 		return nil, err
 	}
 	s.metrics.WatchPool(s.pool)
-	if migrate {
+	if opts.Migrate {
 		if _, err := migrations.Apply(ctx, s.pool, logger); err != nil {
 			return nil, err
 		}
@@ -128,18 +143,18 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 	if err := s.connectKafka(ctx, brokers); err != nil {
 		return nil, err
 	}
-	probe, err := s.cfg.kafka().Config()
+	probe, err := s.cfg.Kafka().Config()
 	if err != nil {
 		return nil, err
 	}
 	s.brokers = newBrokerCheck(brokers, probe)
 
-	logPolicies(logger, cfg)
+	cfg.LogPolicies(logger)
 	s.ingester, err = deferral.NewIngester(s.consumer.Group, deferral.NewStore(s.pool, s.marks), deferral.IngestConfig{
 		Topic: cfg.DeferTopic,
 		Group: cfg.ConsumerGroup,
-		Rules: deferral.Rules{Targets: cfg.targets, MaxDelay: cfg.MaxDelay,
-			Policies: cfg.policies, Classifier: cfg.classifier, Signing: cfg.signing},
+		Rules: deferral.Rules{Targets: cfg.Targets(), MaxDelay: cfg.MaxDelay,
+			Policies: cfg.Policies(), Classifier: cfg.Classifier(), Signing: cfg.Signing()},
 		BatchSize:   cfg.IngestBatchSize,
 		BatchBytes:  cfg.IngestBatchBytes,
 		BatchLinger: cfg.IngestBatchLinger,
@@ -168,7 +183,7 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 			BatchKeys:       cfg.DispatchBatchKeys,
 			RoundMessages:   cfg.DispatchRoundMessages,
 			PollInterval:    cfg.PollInterval,
-			Targets:         cfg.targets,
+			Targets:         cfg.Targets(),
 			MaxMessageBytes: cfg.KafkaMaxMessageBytes,
 			Metrics:         s.metrics,
 			Marks:           s.marks,
@@ -197,7 +212,7 @@ func newService(ctx context.Context, cfg config, logger *slog.Logger, migrate bo
 // stays under it and the process's peak RSS about 30 MB over it. It is
 // soft: with more live than that, the collector runs often but the process
 // does not fail.
-func memoryLimit(cfg config, gomemlimit string) (int64, bool) {
+func memoryLimit(cfg config.Config, gomemlimit string) (int64, bool) {
 	if gomemlimit != "" {
 		return 0, false
 	}
@@ -205,38 +220,15 @@ func memoryLimit(cfg config, gomemlimit string) (int64, bool) {
 	return rest + 3*int64(cfg.IngestBufferBytes)/2 + 2*int64(cfg.DispatchLoops)*int64(cfg.DispatchRoundBytes), true
 }
 
-// logPolicies logs the effective retry rules, one line per policy entry in
-// the order they are tried, so that what a message will get can be read off
-// the start-up log.
-func logPolicies(logger *slog.Logger, cfg config) {
-	// Set.String renders "pattern: policy" entries joined by "; ", the
-	// default last; neither patterns nor policies can contain ";".
-	for e := range strings.SplitSeq(cfg.policies.String(), "; ") {
-		targets, pol, _ := strings.Cut(e, ": ")
-		logger.Info("retry policy", "targets", targets, "policy", pol)
-	}
-	// "permanent" is always parked; NON_RETRIABLE_ERRORS adds to it.
-	classes := "permanent"
-	if p := cfg.classifier.String(); p != "" {
-		classes += "," + p
-	}
-	logger.Info("error classes parked without retry", "patterns", classes)
-	logger.Info("attempt history", "retention", cfg.HistoryRetention)
-	// Sources only: keys are never logged.
-	if srcs := cfg.signing.Sources(); len(srcs) > 0 {
-		logger.Info("record signing", "sources", strings.Join(srcs, ","), "required", cfg.signing.Required())
-	}
-}
-
 // connectKafka creates the producer and the consumer group, retrying while
 // the brokers are not up yet (they often start after the scheduler).
-func (s *service) connectKafka(ctx context.Context, brokers []string) error {
+func (s *Service) connectKafka(ctx context.Context, brokers []string) error {
 	for attempt := 1; ; attempt++ {
-		pc, err := s.cfg.kafka().Config()
+		pc, err := s.cfg.Kafka().Config()
 		if err != nil {
 			return err
 		}
-		cc, err := s.cfg.kafka().Config()
+		cc, err := s.cfg.Kafka().Config()
 		if err != nil {
 			return err
 		}
@@ -264,10 +256,10 @@ func (s *service) connectKafka(ctx context.Context, brokers []string) error {
 	}
 }
 
-// run serves until ctx is done, then shuts down in order: stop consuming
+// Run serves until ctx is done, then shuts down in order: stop consuming
 // (the last batches are stored and their offsets committed), let dispatch
 // loops finish their round and hand over, then close connections.
-func (s *service) run(ctx context.Context) error {
+func (s *Service) Run(ctx context.Context) error {
 	defer s.close()
 	var wg sync.WaitGroup
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
@@ -332,7 +324,7 @@ func (s *service) run(ctx context.Context) error {
 	return err
 }
 
-func (s *service) close() {
+func (s *Service) close() {
 	if s.pprof != nil {
 		s.pprof.Close()
 	}
@@ -362,7 +354,7 @@ func (s *service) close() {
 // every batch's next offset is stored with its rows and ingest resumes from
 // there, and the broker drops a member that never left after its session
 // timeout, when the group rebalances without it.
-func (s *service) closeGroup() {
+func (s *Service) closeGroup() {
 	budget := s.cfg.ShutdownTimeout
 	if !s.stopBy.IsZero() {
 		budget = time.Until(s.stopBy)
@@ -385,7 +377,7 @@ func (s *service) closeGroup() {
 // already spent: enough to leave the group cleanly when the broker answers.
 const minGroupClose = time.Second
 
-func (s *service) routes() http.Handler {
+func (s *Service) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -412,7 +404,7 @@ func pprofRoutes() http.Handler {
 // brokers answer and ingest holds a consumer-group session; 503 with the
 // failing checks otherwise. While start-up waits for Kafka, kafka fails with
 // "connecting".
-func (s *service) readyz(w http.ResponseWriter, r *http.Request) {
+func (s *Service) readyz(w http.ResponseWriter, r *http.Request) {
 	checks := s.readiness(r.Context())
 	status := http.StatusOK
 	body := map[string]any{"status": "ready"}
@@ -428,7 +420,7 @@ func (s *service) readyz(w http.ResponseWriter, r *http.Request) {
 // readiness runs the readiness checks, each bounded by 2 s, and returns the
 // failing ones by name (postgres, migrations, kafka, ingest). It also sets
 // scheduler_ready.
-func (s *service) readiness(ctx context.Context) map[string]string {
+func (s *Service) readiness(ctx context.Context) map[string]string {
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
 	checks := map[string]string{}
@@ -477,7 +469,7 @@ func (s *service) readiness(ctx context.Context) map[string]string {
 // METRICS_INTERVAL it reads the backlog (one statement, see
 // sql/metrics_backlog.sql) and evaluates readiness, so that scheduler_ready
 // is right even when nobody calls /readyz. Scrapes only read the results.
-func (s *service) refreshGauges(ctx context.Context) {
+func (s *Service) refreshGauges(ctx context.Context) {
 	t := time.NewTicker(s.cfg.MetricsInterval)
 	defer t.Stop()
 	failing := false
@@ -515,7 +507,7 @@ func (s *service) refreshGauges(ctx context.Context) {
 // (or none, or an invalid name) come from producers or operators, not from
 // configuration, so they are summed under metrics.OtherTarget to keep the
 // target label bounded.
-func (s *service) backlog(ctx context.Context) (metrics.Backlog, error) {
+func (s *Service) backlog(ctx context.Context) (metrics.Backlog, error) {
 	b := metrics.Backlog{Messages: map[string]map[string]int64{}, Due: map[string]int64{}}
 	rows, err := s.pool.Query(ctx, schedsql.MetricsBacklog)
 	if err != nil {
@@ -542,7 +534,7 @@ func (s *service) backlog(ctx context.Context) (metrics.Backlog, error) {
 			continue // no message at all
 		}
 		label := metrics.OtherTarget
-		if target != nil && deferral.ValidTopic(*target) && s.cfg.targets.Allows(*target) {
+		if target != nil && deferral.ValidTopic(*target) && s.cfg.Targets().Allows(*target) {
 			label = s.metrics.Target(*target)
 		}
 		if b.Messages[label] == nil {

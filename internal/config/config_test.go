@@ -1,8 +1,8 @@
-package main
+package config
 
 import (
 	"bytes"
-	"context"
+	"cmp"
 	"fmt"
 	"log/slog"
 	"os"
@@ -25,18 +25,18 @@ var validEnv = []string{
 	"KAFKA_BROKERS=127.0.0.1:1",
 }
 
-// withEnv returns validEnv with extra appended (later wins, as in loadConfig).
+// withEnv returns validEnv with extra appended (later wins, as in Load).
 func withEnv(extra ...string) []string {
 	return append(slices.Clone(validEnv), extra...)
 }
 
 func TestConfigDefaults(t *testing.T) {
-	cfg, err := loadConfig(nil)
+	cfg, err := Load(nil)
 	if err != nil {
-		t.Fatalf("loadConfig(nil): %v", err)
+		t.Fatalf("Load(nil): %v", err)
 	}
 	documented := map[string]string{}
-	for _, v := range envVars() {
+	for _, v := range Vars() {
 		documented[v.Name] = v.Default
 	}
 	tests := []struct {
@@ -77,7 +77,7 @@ func TestConfigDefaults(t *testing.T) {
 				t.Errorf("loaded %v, want %v", tt.got, tt.want)
 			}
 			if d, ok := documented[tt.name]; !ok || d != tt.def {
-				t.Errorf("envVars() default %q (listed: %v), want %q", d, ok, tt.def)
+				t.Errorf("Vars() default %q (listed: %v), want %q", d, ok, tt.def)
 			}
 		})
 	}
@@ -92,7 +92,7 @@ func TestConfigDefaults(t *testing.T) {
 	}
 
 	// run needs the database and the brokers; nothing else does.
-	err = cfg.requireRun()
+	err = cfg.RequireRun()
 	if err == nil {
 		t.Fatal("requireRun on the defaults: no error")
 	}
@@ -101,11 +101,11 @@ func TestConfigDefaults(t *testing.T) {
 			t.Errorf("requireRun error does not name %s:\n%v", name, err)
 		}
 	}
-	full, err := loadConfig(validEnv)
+	full, err := Load(validEnv)
 	if err != nil {
-		t.Fatalf("loadConfig(%q): %v", validEnv, err)
+		t.Fatalf("Load(%q): %v", validEnv, err)
 	}
-	if err := full.requireRun(); err != nil {
+	if err := full.RequireRun(); err != nil {
 		t.Errorf("requireRun with %q: %v", validEnv, err)
 	}
 }
@@ -115,15 +115,15 @@ func TestConfigDefaults(t *testing.T) {
 // itself a value the configuration accepts.
 func TestEnvVarsDocumented(t *testing.T) {
 	fields := 0
-	ct := reflect.TypeFor[config]()
+	ct := reflect.TypeFor[Config]()
 	for i := range ct.NumField() {
 		if ct.Field(i).Tag.Get("env") != "" {
 			fields++
 		}
 	}
-	vars := envVars()
+	vars := Vars()
 	if len(vars) != fields || fields == 0 {
-		t.Errorf("envVars() lists %d variables, config has %d env fields", len(vars), fields)
+		t.Errorf("Vars() lists %d variables, config has %d env fields", len(vars), fields)
 	}
 	seen := map[string]bool{}
 	for _, v := range vars {
@@ -139,7 +139,7 @@ func TestEnvVarsDocumented(t *testing.T) {
 				t.Errorf("form %q, help %q: both must be set (--help and errors print them)", v.Form, v.Help)
 			}
 			if v.Default != "" {
-				if _, err := loadConfig([]string{v.Name + "=" + v.Default}); err != nil {
+				if _, err := Load([]string{v.Name + "=" + v.Default}); err != nil {
 					t.Errorf("%s=%s, its own default, is rejected: %v", v.Name, v.Default, err)
 				}
 			}
@@ -255,27 +255,16 @@ func TestConfigRejectsBadValues(t *testing.T) {
 				}
 			}
 
-			_, err := loadConfig(env)
+			_, err := Load(env)
 			if err == nil {
-				t.Fatalf("loadConfig(%q): no error", env)
+				t.Fatalf("Load(%q): no error", env)
 			}
-			check("loadConfig error", err.Error())
-
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			var stdout, stderr bytes.Buffer
-			if code := run(ctx, []string{"run"}, env, &stdout, &stderr); code != 2 {
-				t.Errorf("run: exit %d, want 2 (configuration error)\nstderr:\n%s", code, stderr.String())
-			}
-			check("run's stderr", stderr.String())
-			if stdout.Len() > 0 {
-				t.Errorf("run wrote to stdout:\n%s", stdout.String())
-			}
+			check("Load error", err.Error())
 		})
 	}
 	// The cases above fail for their own variable only.
-	if _, err := loadConfig(validEnv); err != nil {
-		t.Fatalf("loadConfig(%q): %v", validEnv, err)
+	if _, err := Load(validEnv); err != nil {
+		t.Fatalf("Load(%q): %v", validEnv, err)
 	}
 }
 
@@ -299,7 +288,7 @@ func TestConfigReportsEveryProblem(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			_, err := loadConfig(withEnv(tt.env...))
+			_, err := Load(withEnv(tt.env...))
 			if err == nil {
 				t.Fatal("no error")
 			}
@@ -322,13 +311,13 @@ func TestConfigReportsEveryProblem(t *testing.T) {
 // TestConfigRetryRules checks that valid retry rules are parsed for the
 // service, against MAX_DELAY.
 func TestConfigRetryRules(t *testing.T) {
-	cfg, err := loadConfig(withEnv(
+	cfg, err := Load(withEnv(
 		"MAX_DELAY=2h",
 		"RETRY_POLICIES=payments.*: ladder 30s,5m,30m dlq {target}.dlq;\n  orders.*: exponential 1s x3 cap 1h forever release",
 		"NON_RETRIABLE_ERRORS= *JsonParseException , com.acme.Validation* ",
 		"HISTORY_RETENTION=0"))
 	if err != nil {
-		t.Fatalf("loadConfig: %v", err)
+		t.Fatalf("Load: %v", err)
 	}
 	tests := []struct {
 		target     string
@@ -367,7 +356,7 @@ func TestConfigRetryRules(t *testing.T) {
 
 	// Without MAX_DELAY the policies cannot be checked: only MAX_DELAY is
 	// reported, not a policy that would fit any sensible maximum.
-	_, err = loadConfig(withEnv("MAX_DELAY=abc", "RETRY_POLICIES=*: ladder 1s"))
+	_, err = Load(withEnv("MAX_DELAY=abc", "RETRY_POLICIES=*: ladder 1s"))
 	if err == nil || !strings.Contains(err.Error(), "MAX_DELAY=") || strings.Contains(err.Error(), "RETRY_POLICIES") {
 		t.Errorf("bad MAX_DELAY with good policies: %v; want MAX_DELAY reported alone", err)
 	}
@@ -375,7 +364,7 @@ func TestConfigRetryRules(t *testing.T) {
 
 // TestConfigSigning checks SIGNING_KEYS, SIGNING_KEYS_FILE and
 // SIGNING_REQUIRED: keys from either or both, and errors that name the
-// variable, the entry and the source but never show a key, in loadConfig's
+// variable, the entry and the source but never show a key, in Load's
 // error, in run's output, in --help, and when the configuration is printed.
 func TestConfigSigning(t *testing.T) {
 	hexA := strings.Repeat("a1", 32)
@@ -439,18 +428,18 @@ func TestConfigSigning(t *testing.T) {
 				}
 			}
 			env := withEnv(tt.env...)
-			cfg, err := loadConfig(env)
+			cfg, err := Load(env)
 			// However the configuration is printed, no key shows.
 			noSecret("the printed configuration", fmt.Sprintf("%v %+v %#v", cfg, cfg, cfg))
 			if tt.errs == nil {
 				if err != nil {
-					t.Fatalf("loadConfig: %v", err)
+					t.Fatalf("Load: %v", err)
 				}
 				if got := cfg.signing.Sources(); !slices.Equal(got, tt.sources) || cfg.signing.Required() != tt.required {
 					t.Errorf("sources %q required %v, want %q %v", got, cfg.signing.Required(), tt.sources, tt.required)
 				}
 				var buf bytes.Buffer
-				logPolicies(slog.New(slog.NewTextHandler(&buf, nil)), cfg)
+				cfg.LogPolicies(slog.New(slog.NewTextHandler(&buf, nil)))
 				noSecret("the start-up log", buf.String())
 				if len(tt.sources) > 0 && !strings.Contains(buf.String(), `msg="record signing" sources=`+strings.Join(tt.sources, ",")) {
 					t.Errorf("the start-up log does not list the sources:\n%s", buf.String())
@@ -458,46 +447,28 @@ func TestConfigSigning(t *testing.T) {
 				return
 			}
 			if err == nil {
-				t.Fatal("loadConfig: no error")
+				t.Fatal("Load: no error")
 			}
 			for _, w := range tt.errs {
 				if !strings.Contains(err.Error(), w) {
 					t.Errorf("error lacks %q:\n%v", w, err)
 				}
 			}
-			noSecret("loadConfig's error", err.Error())
-
-			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-			defer cancel()
-			var stdout, stderr bytes.Buffer
-			if code := run(ctx, []string{"run"}, env, &stdout, &stderr); code != 2 {
-				t.Errorf("run: exit %d, want 2 (configuration error)\nstderr:\n%s", code, stderr.String())
-			}
-			noSecret("run's output", stdout.String()+stderr.String())
+			noSecret("Load's error", err.Error())
 		})
-	}
-
-	// The keys of a valid configuration stay out of --help too.
-	var stdout, stderr bytes.Buffer
-	run(context.Background(), []string{"run", "--help"}, withEnv("SIGNING_KEYS=orders="+hexA), &stdout, &stderr)
-	if !strings.Contains(stdout.String(), "SIGNING_KEYS") {
-		t.Errorf("run --help does not list SIGNING_KEYS:\n%s", stdout.String())
-	}
-	if strings.Contains(stdout.String()+stderr.String(), "a1a1a1a1") {
-		t.Errorf("run --help shows a key:\n%s%s", stdout.String(), stderr.String())
 	}
 }
 
 // The start-up log lists the policies one entry per line, in the order they
 // are tried, and the error classes parked without retry.
 func TestLogPolicies(t *testing.T) {
-	cfg, err := loadConfig(withEnv("RETRY_POLICIES=payments.*: ladder 1s dlq {target}.dlq; *: exponential 1s max 3",
+	cfg, err := Load(withEnv("RETRY_POLICIES=payments.*: ladder 1s dlq {target}.dlq; *: exponential 1s max 3",
 		"NON_RETRIABLE_ERRORS=*Json*"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	var buf bytes.Buffer
-	logPolicies(slog.New(slog.NewTextHandler(&buf, nil)), cfg)
+	cfg.LogPolicies(slog.New(slog.NewTextHandler(&buf, nil)))
 	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
 	want := []string{
 		`msg="retry policy" targets=payments.* policy="ladder 1s dlq {target}.dlq"`,
@@ -527,7 +498,7 @@ func TestConfigREADMETable(t *testing.T) {
 		t.Fatalf("README.md must document the configuration: %v", err)
 	}
 	rows := readmeTables(string(data))
-	vars := envVars()
+	vars := Vars()
 	known := map[string]bool{}
 	for _, v := range vars {
 		known[v.Name] = true
@@ -548,7 +519,7 @@ func TestConfigREADMETable(t *testing.T) {
 		case len(seen) == 0:
 			t.Errorf("README.md has no table row for %s (want | `%s` | `%s` | ...)", v.Name, v.Name, v.Default)
 		case !ok:
-			t.Errorf("README.md gives %s the default %q, want %q", v.Name, seen, orDefault(v.Default, "-"))
+			t.Errorf("README.md gives %s the default %q, want %q", v.Name, seen, cmp.Or(v.Default, "-"))
 		}
 	}
 	// A table that documents variables documents only real ones.
@@ -673,3 +644,6 @@ func TestConfigREADMEParser(t *testing.T) {
 		}
 	}
 }
+
+// repoRoot is the repository's root, relative to this package.
+const repoRoot = "../.."

@@ -1,0 +1,120 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deferq/scheduler/internal/cmdflag"
+	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/migrations"
+)
+
+// RunCommand is `scheduler run`: it parses the command's flags, reads the
+// configuration from environ, and runs the service until ctx is done.
+// version is the binary's. It returns the exit code: 0 after a clean stop, 1
+// when the service failed, 2 for a usage or configuration error.
+func RunCommand(ctx context.Context, version string, args, environ []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("run", flag.ContinueOnError)
+	migrate := fs.Bool("migrate", false, "apply pending migrations before starting (otherwise a database with pending migrations stops start-up)")
+	if done, code := cmdflag.Parse(fs, args, stdout, stderr, func(w io.Writer) {
+		fmt.Fprint(w, `Usage: scheduler run [flags]
+
+Consumes the defer topic into Postgres, republishes due messages in per-key
+order, and serves /healthz, /readyz and /metrics on HTTP_ADDR. SIGINT or
+SIGTERM stops consuming, finishes in-flight batches, commits and exits 0.
+
+Environment:
+`)
+		config.PrintEnvHelp(w)
+		fmt.Fprint(w, "\nFlags:\n")
+	}); done {
+		return code
+	}
+	cfg, err := config.Load(environ)
+	if err = errors.Join(err, cfg.RequireRun()); err != nil {
+		fmt.Fprintf(stderr, "scheduler run: configuration:\n%v\n", cmdflag.Indent(err))
+		return 2
+	}
+	logger := cfg.Logger(stderr)
+	svc, err := New(ctx, cfg, logger, Options{Migrate: *migrate, Version: version})
+	if err != nil {
+		logger.Error("start-up failed", "error", err)
+		return 1
+	}
+	if err := svc.Run(ctx); err != nil {
+		logger.Error("stopped with an error", "error", err)
+		return 1
+	}
+	return 0
+}
+
+// MigrateCommand is `scheduler migrate`: it applies River's migrations and
+// the scheduler's to DATABASE_URL and says what it applied. Exit codes as
+// RunCommand's.
+func MigrateCommand(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	if done, code := cmdflag.Parse(fs, args, stdout, stderr, func(w io.Writer) {
+		fmt.Fprint(w, `Usage: scheduler migrate
+
+Applies River's migrations (through rivermigrate) and the service's own
+(embedded from migrations/) to DATABASE_URL. Idempotent, and safe when several
+replicas run it at once: they wait on an advisory lock. Refuses a database
+whose schema is newer than this binary.
+`)
+	}); done {
+		return code
+	}
+	cfg, err := config.Load(environ)
+	if cfg.DatabaseURL == "" {
+		err = errors.Join(err, errors.New("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db"))
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "scheduler migrate: configuration:\n%v\n", cmdflag.Indent(err))
+		return 2
+	}
+	logger := cfg.Logger(stderr)
+	pool, err := openPool(ctx, cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "scheduler migrate: %v\n", err)
+		return 1
+	}
+	defer pool.Close()
+	res, err := migrations.Apply(ctx, pool, logger)
+	if err != nil {
+		fmt.Fprintf(stderr, "scheduler migrate: %v\n", err)
+		return 1
+	}
+	fmt.Fprintf(stdout, "migrations applied: %d of the scheduler's, %d of River's\n", len(res.Applied), res.River)
+	for _, m := range res.Applied {
+		fmt.Fprintf(stdout, "  %04d_%s\n", m.Version, m.Name)
+	}
+	return 0
+}
+
+// openPool connects to DATABASE_URL, failing fast with a clear message when
+// the database does not answer.
+func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
+	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)
+	}
+	pc.MaxConns = cfg.DBMaxConns
+	pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler"
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
+	if err != nil {
+		return nil, fmt.Errorf("connect to the database: %w", err)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := pool.Ping(pctx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
+	}
+	return pool, nil
+}
