@@ -12,7 +12,8 @@ import (
 
 	"github.com/deferq/scheduler/internal/batchproducer"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/ingest"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/keylock"
 )
@@ -34,7 +35,7 @@ type ceilingResult struct {
 }
 
 // runCeiling measures the database ceiling: the rows the end-to-end phase
-// stores (own keys, due now), inserted with deferral.Store.Insert in
+// stores (own keys, due now), inserted with ingest.Store.Insert in
 // ingest's batches by one writer per partition, and claimed and finalized as
 // published with keylock.Locker by the service's number of loops, without
 // any Kafka. First both at once on a fresh database (the ceiling proper),
@@ -45,7 +46,7 @@ func (b *bench) runCeiling(ctx context.Context) (res ceilingResult, err error) {
 		return res, err
 	}
 	defer func() { err = errors.Join(err, b.pg.drop(context.WithoutCancel(ctx), db)) }()
-	store := deferral.NewStore(db.pool, nil)
+	store := ingest.NewStore(db.pool, nil)
 	lockers := make([]*keylock.Locker, dispatchLoops)
 	for i := range lockers {
 		if lockers[i], err = keylock.New(db.pool, keylock.Config{
@@ -54,7 +55,7 @@ func (b *bench) runCeiling(ctx context.Context) (res ceilingResult, err error) {
 			return res, err
 		}
 	}
-	rules := deferral.Rules{Targets: deferral.TargetPatterns{"bench.*"}, MaxDelay: 720 * time.Hour}
+	rules := protocol.Rules{Targets: protocol.TargetPatterns{"bench.*"}, MaxDelay: 720 * time.Hour}
 
 	// Warm-up: connections, plans, caches.
 	if _, err := b.ceilingRun(ctx, db, store, lockers, rules, "w", b.cfg.Warmup, true, true); err != nil {
@@ -75,10 +76,10 @@ func (b *bench) runCeiling(ctx context.Context) (res ceilingResult, err error) {
 // ceilingRun inserts (when insert) n rows of phase, and drains (when drain)
 // n due rows, concurrently, and returns the rate. The entries are parsed
 // before the clock starts: this is the database's ceiling, not the parser's.
-func (b *bench) ceilingRun(ctx context.Context, db *database, store *deferral.Store, lockers []*keylock.Locker,
-	rules deferral.Rules, phase string, n int, insert, drain bool) (rate, error) {
+func (b *bench) ceilingRun(ctx context.Context, db *database, store *ingest.Store, lockers []*keylock.Locker,
+	rules protocol.Rules, phase string, n int, insert, drain bool) (rate, error) {
 	parts := int(b.cfg.Partitions)
-	byPart := make([][]deferral.Entry, parts)
+	byPart := make([][]ingest.Entry, parts)
 	if insert {
 		now := time.Now()
 		// The source offsets continue where the previous run of the phase
@@ -91,16 +92,16 @@ func (b *bench) ceilingRun(ctx context.Context, db *database, store *deferral.St
 		for i := range n {
 			key := ownKeys.key(phase+"c", i)
 			msg := deferRecord(key, i, topicE2E, when{})
-			rec := deferral.Record{Key: []byte(key), Value: payload(i)}
+			rec := protocol.Record{Key: []byte(key), Value: payload(i)}
 			for _, h := range msg.Headers {
-				rec.Headers = append(rec.Headers, deferral.Header{Key: h.Key, Value: h.Value})
+				rec.Headers = append(rec.Headers, protocol.Header{Key: h.Key, Value: h.Value})
 			}
-			sc, err := deferral.Parse(rec, rules, now)
+			sc, err := protocol.Parse(rec, rules, now)
 			if err != nil {
 				return rate{}, fmt.Errorf("ceiling: parse record %d: %w", i, err)
 			}
 			p := i % parts
-			byPart[p] = append(byPart[p], deferral.Entry{Offset: base + int64(len(byPart[p])), Record: rec, Schedule: sc})
+			byPart[p] = append(byPart[p], ingest.Entry{Offset: base + int64(len(byPart[p])), Record: rec, Schedule: sc})
 		}
 	}
 
@@ -125,7 +126,7 @@ func (b *bench) ceilingRun(ctx context.Context, db *database, store *deferral.St
 				entries := byPart[p]
 				// Each writer is the only one of its partition: it knows
 				// the stored position without reading it.
-				pos := deferral.Position{Topic: "ceiling." + phase, Partition: int32(p), Next: deferral.NoPosition}
+				pos := ingest.Position{Topic: "ceiling." + phase, Partition: int32(p), Next: ingest.NoPosition}
 				for len(entries) > 0 {
 					batch := entries[:min(ingestBatch, len(entries))]
 					entries = entries[len(batch):]
@@ -215,7 +216,7 @@ type brokerResult struct {
 // runBroker measures the broker's ceiling with the records the service
 // publishes (the end-to-end phase's messages, as dispatch.Record builds
 // them): first as the service publishes (batchproducer with
-// dispatch.ProducerConfig: acks=all, whole record batches per partition; one
+// batchproducer.Config: acks=all, whole record batches per partition; one
 // producer shared by the service's number of loops, each sending a claim's
 // worth per SendMessages), then with
 // an AsyncProducer on sarama's defaults plus acks=all, as fast as it goes.
@@ -241,7 +242,7 @@ func (b *bench) runBroker(ctx context.Context) (res brokerResult, err error) {
 		return out
 	}
 
-	sp, err := batchproducer.New([]string{addr}, dispatch.ProducerConfig(kafkaConfig()))
+	sp, err := batchproducer.New([]string{addr}, batchproducer.Config(kafkaConfig()))
 	if err != nil {
 		return res, fmt.Errorf("broker ceiling: %w", err)
 	}

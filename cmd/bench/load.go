@@ -11,7 +11,7 @@ import (
 
 	"github.com/IBM/sarama"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 )
 
 // deferTopic is the service's default DEFER_TOPIC.
@@ -73,13 +73,13 @@ type when struct {
 func deferRecord(key string, i int, target string, w when) *sarama.ProducerMessage {
 	hs := []sarama.RecordHeader{
 		{Key: []byte("trace-id"), Value: []byte("4bf92f3577b34da6a3ce929d0e0e4736")},
-		{Key: []byte(deferral.HeaderTarget), Value: []byte(target)},
-		{Key: []byte(deferral.HeaderErrorClass), Value: []byte("ProviderTimeout")},
+		{Key: []byte(protocol.HeaderTarget), Value: []byte(target)},
+		{Key: []byte(protocol.HeaderErrorClass), Value: []byte("ProviderTimeout")},
 	}
 	if w.at.IsZero() {
-		hs = append(hs, sarama.RecordHeader{Key: []byte(deferral.HeaderDelay), Value: []byte(w.delay.String())})
+		hs = append(hs, sarama.RecordHeader{Key: []byte(protocol.HeaderDelay), Value: []byte(w.delay.String())})
 	} else {
-		hs = append(hs, sarama.RecordHeader{Key: []byte(deferral.HeaderAt), Value: []byte(w.at.UTC().Format(time.RFC3339Nano))})
+		hs = append(hs, sarama.RecordHeader{Key: []byte(protocol.HeaderAt), Value: []byte(w.at.UTC().Format(time.RFC3339Nano))})
 	}
 	return &sarama.ProducerMessage{Topic: deferTopic, Key: sarama.StringEncoder(key),
 		Value: sarama.ByteEncoder(payload(i)), Headers: hs}
@@ -390,12 +390,12 @@ func parseDelivery(m *sarama.ConsumerMessage) (delivery, error) {
 	d := delivery{partition: m.Partition, key: string(m.Key), index: i, published: m.Timestamp}
 	for _, h := range m.Headers {
 		switch string(h.Key) {
-		case deferral.HeaderID:
+		case protocol.HeaderID:
 			d.id = string(h.Value)
-		case deferral.HeaderScheduledAt:
+		case protocol.HeaderScheduledAt:
 			t, err := time.Parse(time.RFC3339Nano, string(h.Value))
 			if err != nil {
-				return d, fmt.Errorf("%s %q: %w", deferral.HeaderScheduledAt, h.Value, err)
+				return d, fmt.Errorf("%s %q: %w", protocol.HeaderScheduledAt, h.Value, err)
 			}
 			d.scheduledAt = t
 		}
@@ -451,7 +451,7 @@ func lateness(ds []delivery) ([]time.Duration, error) {
 	out := make([]time.Duration, 0, len(ds))
 	for _, d := range ds {
 		if d.scheduledAt.IsZero() {
-			return nil, fmt.Errorf("message %d has no %s", d.index, deferral.HeaderScheduledAt)
+			return nil, fmt.Errorf("message %d has no %s", d.index, protocol.HeaderScheduledAt)
 		}
 		out = append(out, d.published.Sub(d.scheduledAt))
 	}

@@ -158,7 +158,7 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 
 	b.say("River, one job per message")
 	if res.river, err = b.runRiver(ctx); err != nil {
-		return fmt.Errorf("River: %w", err)
+		return fmt.Errorf("the River contender: %w", err)
 	}
 	b.say("  %.0f/s", res.river.e2e.perSecond())
 

@@ -13,8 +13,9 @@ import (
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
-	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/batchproducer"
+	"github.com/deferq/scheduler/internal/defer/ingest"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 )
 
 // River's settings for the per-message contender, tuned for throughput and
@@ -58,15 +59,15 @@ func (w *publishWorker) Work(ctx context.Context, job *river.Job[publishArgs]) e
 	a := job.Args
 	hs := make([]sarama.RecordHeader, 0, len(a.HeaderKeys)+4)
 	for i, k := range a.HeaderKeys {
-		if k == deferral.HeaderAt || k == deferral.HeaderDelay {
+		if k == protocol.HeaderAt || k == protocol.HeaderDelay {
 			continue
 		}
 		hs = append(hs, sarama.RecordHeader{Key: []byte(k), Value: a.HeaderValues[i]})
 	}
 	hs = append(hs,
-		sarama.RecordHeader{Key: []byte(deferral.HeaderID), Value: []byte(strconv.FormatInt(job.ID, 10))},
-		sarama.RecordHeader{Key: []byte(deferral.HeaderAttempt), Value: []byte(strconv.FormatInt(int64(a.Attempt)+1, 10))},
-		sarama.RecordHeader{Key: []byte(deferral.HeaderScheduledAt), Value: []byte(a.ScheduledAt.UTC().Format(time.RFC3339Nano))},
+		sarama.RecordHeader{Key: []byte(protocol.HeaderID), Value: []byte(strconv.FormatInt(job.ID, 10))},
+		sarama.RecordHeader{Key: []byte(protocol.HeaderAttempt), Value: []byte(strconv.FormatInt(int64(a.Attempt)+1, 10))},
+		sarama.RecordHeader{Key: []byte(protocol.HeaderScheduledAt), Value: []byte(a.ScheduledAt.UTC().Format(time.RFC3339Nano))},
 	)
 	msg := &sarama.ProducerMessage{Topic: a.Target, Headers: hs}
 	if a.Key != nil {
@@ -86,7 +87,7 @@ func (w *publishWorker) Work(ctx context.Context, job *river.Job[publishArgs]) e
 // (COPY) per batch, mark offsets after the insert commits.
 type riverIngest struct {
 	client *river.Client[pgx.Tx]
-	rules  deferral.Rules
+	rules  protocol.Rules
 }
 
 func (h *riverIngest) Setup(sarama.ConsumerGroupSession) error   { return nil }
@@ -104,16 +105,16 @@ func (h *riverIngest) ConsumeClaim(sess sarama.ConsumerGroupSession, claim saram
 		now := time.Now()
 		params := make([]river.InsertManyParams, len(batch))
 		for i, m := range batch {
-			rec := deferral.Record{Key: m.Key, Value: m.Value}
+			rec := protocol.Record{Key: m.Key, Value: m.Value}
 			a := publishArgs{Key: m.Key, Value: m.Value}
 			for _, hd := range m.Headers {
-				rec.Headers = append(rec.Headers, deferral.Header{Key: hd.Key, Value: hd.Value})
+				rec.Headers = append(rec.Headers, protocol.Header{Key: hd.Key, Value: hd.Value})
 				a.HeaderKeys = append(a.HeaderKeys, string(hd.Key))
 				a.HeaderValues = append(a.HeaderValues, hd.Value)
 			}
-			sc, err := deferral.Parse(rec, h.rules, now)
+			sc, err := protocol.Parse(rec, h.rules, now)
 			if err != nil {
-				return fmt.Errorf("River ingest: offset %d: %w", m.Offset, err)
+				return fmt.Errorf("the River contender's ingest: offset %d: %w", m.Offset, err)
 			}
 			a.Target, a.Attempt = sc.Target, sc.Attempt
 			a.ScheduledAt = now.Add(sc.Delay)
@@ -128,7 +129,7 @@ func (h *riverIngest) ConsumeClaim(sess sarama.ConsumerGroupSession, claim saram
 			}
 		}
 		if _, err := h.client.InsertManyFast(sess.Context(), params); err != nil {
-			return fmt.Errorf("River ingest: insert %d jobs: %w", len(params), err)
+			return fmt.Errorf("the River contender's ingest: insert %d jobs: %w", len(params), err)
 		}
 		sess.MarkMessage(batch[len(batch)-1], "")
 		batch = batch[:0]
@@ -187,9 +188,9 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 	}
 	defer kc.Close()
 
-	producer, err := sarama.NewSyncProducer([]string{addr}, dispatch.ProducerConfig(kafkaConfig()))
+	producer, err := sarama.NewSyncProducer([]string{addr}, batchproducer.Config(kafkaConfig()))
 	if err != nil {
-		return res, fmt.Errorf("River contender's producer: %w", err)
+		return res, fmt.Errorf("the River contender's producer: %w", err)
 	}
 	defer producer.Close()
 	workers := river.NewWorkers()
@@ -202,7 +203,7 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 		Workers:           workers,
 	})
 	if err != nil {
-		return res, fmt.Errorf("River client: %w", err)
+		return res, fmt.Errorf("the River contender's client: %w", err)
 	}
 	rctx, stopRiver := context.WithCancel(ctx)
 	defer stopRiver()
@@ -217,12 +218,12 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 		}
 	}()
 
-	group, err := sarama.NewConsumerGroup([]string{addr}, "bench-river", deferral.ConsumerConfig(kafkaConfig(), nil))
+	group, err := sarama.NewConsumerGroup([]string{addr}, "bench-river", ingest.ConsumerConfig(kafkaConfig(), nil))
 	if err != nil {
-		return res, fmt.Errorf("River contender's consumer: %w", err)
+		return res, fmt.Errorf("the River contender's consumer: %w", err)
 	}
 	defer group.Close()
-	ingest := &riverIngest{client: client, rules: deferral.Rules{Targets: deferral.TargetPatterns{"bench.*"}, MaxDelay: 720 * time.Hour}}
+	ingest := &riverIngest{client: client, rules: protocol.Rules{Targets: protocol.TargetPatterns{"bench.*"}, MaxDelay: 720 * time.Hour}}
 	consumed := make(chan error, 1)
 	go func() {
 		for rctx.Err() == nil {

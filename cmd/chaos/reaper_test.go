@@ -13,7 +13,7 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kfake"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/ingest"
 )
 
 // TestReaperRemovesMemberKilledInJoin reproduces finding 2 of docs/chaos.md
@@ -39,7 +39,7 @@ func TestReaperRemovesMemberKilledInJoin(t *testing.T) {
 	summary := func() string { return groupSummary(kc.GroupInfo(group), topic, 2, map[string]bool{"live": true}) }
 
 	// The live member, configured as ingest is.
-	conf := deferral.ConsumerConfig(kafkaConfig(), nil)
+	conf := ingest.ConsumerConfig(kafkaConfig(), nil)
 	conf.ClientID = "live"
 	conf.Consumer.Group.Session.Timeout = session
 	conf.Consumer.Group.Heartbeat.Interval = session / 4

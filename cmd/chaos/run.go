@@ -17,7 +17,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/ingest"
 	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/schedproc"
 )
@@ -97,7 +97,7 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 	reapCtx, stopReaper := context.WithCancel(ctx)
 	defer stopReaper()
 	reaped := make(chan int, 1)
-	cc := deferral.ConsumerConfig(kafkaConfig(), nil)
+	cc := ingest.ConsumerConfig(kafkaConfig(), nil)
 	rp := &reaper{kc: kc, addr: addr, group: consumerGroup, gone: fl.gone, say: say,
 		session: cc.Consumer.Group.Session.Timeout, rebalance: cc.Consumer.Group.Rebalance.Timeout}
 	go func() { reaped <- rp.run(reapCtx, 500*time.Millisecond) }()

@@ -12,7 +12,7 @@ import (
 
 	"github.com/IBM/sarama"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 )
 
 const (
@@ -83,15 +83,15 @@ func plan(rng *rand.Rand, n, keys int) []message {
 func deferRecord(rng *rand.Rand, m message) *sarama.ProducerMessage {
 	hs := []sarama.RecordHeader{
 		{Key: []byte("trace-id"), Value: []byte("chaos-" + m.Key + "-" + strconv.Itoa(m.N))},
-		{Key: []byte(deferral.HeaderTarget), Value: []byte(targetTopic)},
-		{Key: []byte(deferral.HeaderErrorClass), Value: []byte("ProviderTimeout")},
+		{Key: []byte(protocol.HeaderTarget), Value: []byte(targetTopic)},
+		{Key: []byte(protocol.HeaderErrorClass), Value: []byte("ProviderTimeout")},
 	}
 	delay := time.Duration(rng.IntN(4000)) * time.Millisecond
 	if rng.IntN(10) == 0 {
-		hs = append(hs, sarama.RecordHeader{Key: []byte(deferral.HeaderAt),
+		hs = append(hs, sarama.RecordHeader{Key: []byte(protocol.HeaderAt),
 			Value: []byte(time.Now().Add(delay).UTC().Format(time.RFC3339Nano))})
 	} else {
-		hs = append(hs, sarama.RecordHeader{Key: []byte(deferral.HeaderDelay), Value: []byte(strconv.FormatInt(delay.Milliseconds(), 10))})
+		hs = append(hs, sarama.RecordHeader{Key: []byte(protocol.HeaderDelay), Value: []byte(strconv.FormatInt(delay.Milliseconds(), 10))})
 	}
 	return &sarama.ProducerMessage{Topic: deferTopic, Key: sarama.StringEncoder(m.Key),
 		Value: sarama.StringEncoder(m.value()), Headers: hs}
@@ -227,9 +227,9 @@ func (c *consumer) handle(m *sarama.ConsumerMessage) {
 	d := delivery{partition: m.Partition, offset: m.Offset, key: string(m.Key), value: string(m.Value), at: time.Now()}
 	for _, h := range m.Headers {
 		switch string(h.Key) {
-		case deferral.HeaderID:
+		case protocol.HeaderID:
 			d.id = string(h.Value)
-		case deferral.HeaderAttempt:
+		case protocol.HeaderAttempt:
 			d.attempt, _ = strconv.Atoi(string(h.Value)) // 0 when missing or bad: the checker flags it
 		}
 	}
@@ -268,18 +268,18 @@ func (c *consumer) redefer(m *sarama.ConsumerMessage) error {
 	var attempt int
 	for _, h := range m.Headers {
 		k := string(h.Key)
-		if k == deferral.HeaderAttempt {
+		if k == protocol.HeaderAttempt {
 			attempt, _ = strconv.Atoi(string(h.Value))
 		}
-		if k == deferral.HeaderErrorClass {
+		if k == protocol.HeaderErrorClass {
 			continue // replaced below
 		}
 		hs = append(hs, sarama.RecordHeader{Key: h.Key, Value: h.Value})
 	}
-	hs = append(hs, sarama.RecordHeader{Key: []byte(deferral.HeaderErrorClass), Value: []byte("ProviderTimeout")})
+	hs = append(hs, sarama.RecordHeader{Key: []byte(protocol.HeaderErrorClass), Value: []byte("ProviderTimeout")})
 	if attempt%2 == 0 {
 		delay := time.Duration(rand.IntN(1500)) * time.Millisecond
-		hs = append(hs, sarama.RecordHeader{Key: []byte(deferral.HeaderDelay), Value: []byte(delay.String())})
+		hs = append(hs, sarama.RecordHeader{Key: []byte(protocol.HeaderDelay), Value: []byte(delay.String())})
 	}
 	_, _, err := c.fwd.SendMessage(&sarama.ProducerMessage{Topic: deferTopic, Key: sarama.ByteEncoder(m.Key),
 		Value: sarama.ByteEncoder(m.Value), Headers: hs})

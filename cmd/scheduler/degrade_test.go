@@ -178,11 +178,11 @@ func TestDegradePostgresDown(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitReadyz(t, p, http.StatusOK, "")
-	got := out.until(t, 60*time.Second, "the records sent during the outage", deliveredAll(before, during))
+	out.until(t, 60*time.Second, "the records sent during the outage", deliveredAll(before, during))
 	waitRows(t, pool, 20*time.Second, "SELECT count(*) FROM deferred_message", 0)
 	// Late duplicates would come within the lease; wait it out.
 	time.Sleep(2 * time.Second)
-	got = out.all()
+	got := out.all()
 	t.Logf("%d deliveries of %d records, %d duplicates", len(got), len(before)+len(during), duplicates(got))
 	if d := duplicates(got); d != 0 {
 		t.Errorf("%d duplicate deliveries; nothing was in flight during the outage, want 0", d)
@@ -306,9 +306,9 @@ func TestDegradeBrokerDown(t *testing.T) {
 	gate.Restore()
 	waitReadyz(t, p, http.StatusOK, "")
 	after := sendBatch(t, prod, "after", 20, 5, "0")
-	got := out.until(t, 60*time.Second, "every record after the outage", deliveredAll(before, due, after))
+	out.until(t, 60*time.Second, "every record after the outage", deliveredAll(before, due, after))
 	waitRows(t, db.Pool, 20*time.Second, "SELECT count(*) FROM deferred_key", 0)
-	got = out.all()
+	got := out.all()
 	t.Logf("%d deliveries of %d records, %d duplicates", len(got), len(before)+len(due)+len(after), duplicates(got))
 	// A publish cut mid-flight may have reached the broker unacknowledged
 	// and be sent again (at-least-once): at most one message per key.

@@ -286,10 +286,10 @@ func TestTwoInstancesKeepPerKeyOrder(t *testing.T) {
 	if err := prod.SendMessages(batch); err != nil {
 		t.Fatal(err)
 	}
-	got := r.until(t, 60*time.Second, "all delivered", atLeast(keys*perKey))
+	r.until(t, 60*time.Second, "all delivered", atLeast(keys*perKey))
 	waitRows(t, db.Pool, 10*time.Second, "SELECT count(*) FROM deferred_message", 0)
 	time.Sleep(500 * time.Millisecond)
-	got = r.all()
+	got := r.all()
 
 	seen := map[string]bool{}
 	order := map[string]int{}

@@ -96,10 +96,10 @@ func TestPostgresGoesBackInTime(t *testing.T) {
 			if restart {
 				p = start(t, env)
 			}
-			got := out.until(t, 90*time.Second, "every record delivered after the rewind", deliveredAll(early, late, quick))
+			out.until(t, 90*time.Second, "every record delivered after the rewind", deliveredAll(early, late, quick))
 			waitRows(t, pool, 30*time.Second, "SELECT count(*) FROM deferred_message", 0)
 			time.Sleep(2 * time.Second) // late duplicates, if any, come within the lease
-			got = out.all()
+			got := out.all()
 
 			// A defer.id names one message: consumers dedupe on it, so an id
 			// the rewound database handed to another message would make a

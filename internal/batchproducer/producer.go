@@ -566,3 +566,33 @@ func retriable(err error) bool {
 	}
 	return false
 }
+
+// Config sets on base, and returns it, the producer settings:
+// acks=all, few retries so that a publish ends well inside a lease, no topic
+// auto-creation (an unknown target must fail, not create a topic), and, for
+// a sarama producer built from it (the benchmarks' reference, the tests'
+// clients), idempotence, one request in flight and the Java-compatible
+// murmur2 partitioner, which this producer uses too (a key lands on the
+// partition the Java client would pick). The network timeouts come from base
+// (KAFKA_TIMEOUT); callers set brokers, TLS and SASL there too.
+func Config(base *sarama.Config) *sarama.Config {
+	c := base
+	c.Producer.Idempotent = true
+	c.Producer.RequiredAcks = sarama.WaitForAll
+	c.Producer.Return.Successes = true
+	c.Producer.Return.Errors = true
+	c.Producer.Partitioner = sarama.NewMurmur2Partitioner
+	c.Producer.Retry.Max = 2
+	c.Producer.Retry.Backoff = 100 * time.Millisecond
+	// The broker waits up to Producer.Timeout for replicas; the read timeout
+	// must outlast it or a slow but successful produce looks failed.
+	c.Producer.Timeout = c.Net.ReadTimeout * 2 / 3
+	c.Net.MaxOpenRequests = 1
+	c.Metadata.AllowAutoTopicCreation = false
+	c.Metadata.Retry.Max = 1
+	c.Metadata.Retry.Backoff = 100 * time.Millisecond
+	// Without it a metadata refresh tries every broker in turn, each up to
+	// the network timeouts, which no lease could bound.
+	c.Metadata.Timeout = 2 * c.Net.ReadTimeout
+	return c
+}

@@ -22,8 +22,8 @@ import (
 	"github.com/IBM/sarama"
 	"github.com/caarlos0/env/v11"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
-	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/batchproducer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/kafkaclient"
 	"github.com/deferq/scheduler/internal/policy"
 )
@@ -86,10 +86,10 @@ type Config struct {
 	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message"`
 
 	// What validate builds from the variables; see the accessors below.
-	targets    deferral.TargetPatterns
+	targets    protocol.TargetPatterns
 	policies   *policy.Set
 	classifier policy.Classifier
-	signing    *deferral.Signing
+	signing    *protocol.Signing
 	// raw is the environment as given, so errors quote values as typed.
 	raw map[string]string
 }
@@ -225,7 +225,7 @@ func (c *Config) validate() error {
 	}
 
 	var err error
-	if c.targets, err = deferral.ParseTargetPatterns(c.TargetTopics); err != nil {
+	if c.targets, err = protocol.ParseTargetPatterns(c.TargetTopics); err != nil {
 		errs = append(errs, c.bad("TARGET_TOPICS", c.TargetTopics, "comma-separated path.Match globs, e.g. orders.*,payments.retry", err))
 	}
 	// Policies are checked against MAX_DELAY; a MAX_DELAY that is not
@@ -246,7 +246,7 @@ func (c *Config) validate() error {
 	if c.HistoryRetention < 0 {
 		errs = append(errs, c.bad("HISTORY_RETENTION", c.HistoryRetention.String(), fieldForm("HistoryRetention"), "must not be negative"))
 	}
-	if !deferral.ValidTopic(c.DeferTopic) {
+	if !protocol.ValidTopic(c.DeferTopic) {
 		errs = append(errs, c.bad("DEFER_TOPIC", c.DeferTopic, "Kafka topic name: 1-249 of [a-zA-Z0-9._-]"))
 	}
 	if strings.TrimSpace(c.ConsumerGroup) == "" {
@@ -311,7 +311,7 @@ func (c *Config) validate() error {
 		// Already reported by variable.
 	} else if kc, err := c.Kafka().Config(); err != nil {
 		errs = append(errs, fmt.Errorf("KAFKA_* settings: %w", err))
-	} else if limit := dispatch.MaxPublishDuration(dispatch.ProducerConfig(kc)); c.LeaseDuration <= limit {
+	} else if limit := batchproducer.MaxDuration(batchproducer.Config(kc)); c.LeaseDuration <= limit {
 		errs = append(errs, c.bad("LEASE_DURATION", c.LeaseDuration.String(),
 			fmt.Sprintf("Go duration longer than the longest publish with KAFKA_TIMEOUT=%v, which is %v", c.KafkaTimeout, limit)))
 	}
@@ -323,16 +323,16 @@ func (c *Config) validate() error {
 // source, but never quote a key or the value of SIGNING_KEYS.
 func (c *Config) loadSigning() []error {
 	var errs []error
-	keys, err := deferral.ParseSigningKeys(string(c.SigningKeys))
+	keys, err := protocol.ParseSigningKeys(string(c.SigningKeys))
 	errs = append(errs, prefixed("SIGNING_KEYS (value not shown)", err)...)
 	if path := c.SigningKeysFile; path != "" {
 		data, err := os.ReadFile(path)
 		if err != nil {
 			errs = append(errs, c.bad("SIGNING_KEYS_FILE", path, fieldForm("SigningKeysFile"), err))
 		} else {
-			more, err := deferral.ParseSigningKeysFile(data)
+			more, err := protocol.ParseSigningKeysFile(data)
 			errs = append(errs, prefixed(fmt.Sprintf("SIGNING_KEYS_FILE=%q", path), err)...)
-			err = deferral.MergeSigningKeys(keys, more)
+			err = protocol.MergeSigningKeys(keys, more)
 			errs = append(errs, prefixed("SIGNING_KEYS and SIGNING_KEYS_FILE", err)...)
 		}
 	}
@@ -342,7 +342,7 @@ func (c *Config) loadSigning() []error {
 	if c.SigningRequired && len(keys) == 0 {
 		return []error{errors.New("SIGNING_REQUIRED=true but neither SIGNING_KEYS nor SIGNING_KEYS_FILE gives a key: every record would be rejected")}
 	}
-	if c.signing, err = deferral.NewSigning(keys, c.SigningRequired); err != nil {
+	if c.signing, err = protocol.NewSigning(keys, c.SigningRequired); err != nil {
 		return prefixed("SIGNING_KEYS", err)
 	}
 	return nil
@@ -376,7 +376,7 @@ func (secret) Format(f fmt.State, _ rune) { _, _ = io.WriteString(f, "(not shown
 func (secret) LogValue() slog.Value { return slog.StringValue("(not shown)") }
 
 // Targets returns TARGET_TOPICS as patterns.
-func (c *Config) Targets() deferral.TargetPatterns { return c.targets }
+func (c *Config) Targets() protocol.TargetPatterns { return c.targets }
 
 // Policies returns the retry policies RETRY_POLICIES sets, capped at
 // MAX_DELAY.
@@ -388,7 +388,7 @@ func (c *Config) Classifier() policy.Classifier { return c.classifier }
 // Signing returns the signing keys of SIGNING_KEYS and SIGNING_KEYS_FILE and
 // SIGNING_REQUIRED, or nil when no key is configured and signing is not
 // required.
-func (c *Config) Signing() *deferral.Signing { return c.signing }
+func (c *Config) Signing() *protocol.Signing { return c.signing }
 
 // RequireRun checks what only `run` needs.
 func (c *Config) RequireRun() error {

@@ -1,4 +1,4 @@
-package dispatch
+package dispatch_test
 
 import (
 	"bytes"
@@ -16,12 +16,16 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/deferq/scheduler/internal/batchproducer"
+	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/dispatchtest"
+	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/kafkatest"
 	"github.com/jackc/pgx/v5"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/keylock"
 )
 
@@ -82,7 +86,7 @@ func TestRecordHeaders(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			pm := Record(keylock.Message{ID: 42, Seq: 7, Attempt: 2, Target: "orders.retry", NextRunAt: due, Headers: tt.in,
+			pm := dispatch.Record(keylock.Message{ID: 42, Seq: 7, Attempt: 2, Target: "orders.retry", NextRunAt: due, Headers: tt.in,
 				RedriveCount: tt.redrive})
 			var got []hv
 			for _, rh := range pm.Headers {
@@ -96,14 +100,14 @@ func TestRecordHeaders(t *testing.T) {
 
 	t.Run("binary values, nil key and nil value kept", func(t *testing.T) {
 		bin := []byte{0xff, 0x00, 0xfe}
-		pm := Record(keylock.Message{ID: 1, Target: "t", Headers: []keylock.Header{{Key: "b", Value: bin}, {Key: "n", Value: nil}}})
+		pm := dispatch.Record(keylock.Message{ID: 1, Target: "t", Headers: []keylock.Header{{Key: "b", Value: bin}, {Key: "n", Value: nil}}})
 		if pm.Key != nil || pm.Value != nil {
 			t.Fatalf("nil key/value must stay nil, got %v / %v", pm.Key, pm.Value)
 		}
 		if !bytes.Equal(pm.Headers[0].Value, bin) || pm.Headers[1].Value != nil {
 			t.Fatalf("header values changed: %v", pm.Headers[:2])
 		}
-		pm = Record(keylock.Message{ID: 1, Target: "t", Key: []byte{}, Value: []byte{}})
+		pm = dispatch.Record(keylock.Message{ID: 1, Target: "t", Key: []byte{}, Value: []byte{}})
 		if pm.Key == nil || pm.Value == nil {
 			t.Fatal("empty key/value must stay empty, not become nil")
 		}
@@ -113,24 +117,24 @@ func TestRecordHeaders(t *testing.T) {
 func TestClassify(t *testing.T) {
 	tests := []struct {
 		err  error
-		kind errorKind
+		kind dispatch.ErrorKind
 		code string
 	}{
-		{sarama.ErrUnknownTopicOrPartition, permanent, "unknown_topic"},
-		{sarama.ErrTopicAuthorizationFailed, permanent, "not_authorized"},
-		{sarama.ErrMessageSizeTooLarge, permanent, "too_large"},
-		{sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 2 > 1"), permanent, "too_large"},
-		{sarama.ConfigurationError("something else"), retriable, ""},
-		{sarama.ErrInvalidTopic, permanent, "invalid_topic"},
-		{fmt.Errorf("wrapped: %w", sarama.ErrMessageSizeTooLarge), permanent, "too_large"},
-		{sarama.ErrNotLeaderForPartition, retriable, ""},
-		{sarama.ErrOutOfBrokers, retriable, ""},
-		{errors.New("connection refused"), retriable, ""},
+		{sarama.ErrUnknownTopicOrPartition, dispatch.Permanent, "unknown_topic"},
+		{sarama.ErrTopicAuthorizationFailed, dispatch.Permanent, "not_authorized"},
+		{sarama.ErrMessageSizeTooLarge, dispatch.Permanent, "too_large"},
+		{sarama.ConfigurationError("Attempt to produce message larger than configured Producer.MaxMessageBytes: 2 > 1"), dispatch.Permanent, "too_large"},
+		{sarama.ConfigurationError("something else"), dispatch.Retriable, ""},
+		{sarama.ErrInvalidTopic, dispatch.Permanent, "invalid_topic"},
+		{fmt.Errorf("wrapped: %w", sarama.ErrMessageSizeTooLarge), dispatch.Permanent, "too_large"},
+		{sarama.ErrNotLeaderForPartition, dispatch.Retriable, ""},
+		{sarama.ErrOutOfBrokers, dispatch.Retriable, ""},
+		{errors.New("connection refused"), dispatch.Retriable, ""},
 	}
 	for _, tt := range tests {
-		kind, reason := classify(tt.err)
+		kind, reason := dispatch.Classify(tt.err)
 		if kind != tt.kind || (tt.code != "" && !strings.Contains(reason, tt.code)) {
-			t.Errorf("classify(%v) = %v %q, want %v containing %q", tt.err, kind, reason, tt.kind, tt.code)
+			t.Errorf("dispatch.Classify(%v) = %v %q, want %v containing %q", tt.err, kind, reason, tt.kind, tt.code)
 		}
 	}
 }
@@ -138,54 +142,54 @@ func TestClassify(t *testing.T) {
 // Later messages of a key that are due earlier still go out after the
 // earlier ones, with the output headers, on the key's partition.
 func TestRoundPublishesInKeyOrder(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	var rows []msg
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	var rows []fixture.Message
 	const keys, perKey = 20, 5
 	for k := range keys {
 		for i := range perKey {
 			// Message i is due earlier than message i-1.
-			rows = append(rows, msg{key: str(fmt.Sprintf("order-%d", k)), target: topicA,
-				in: -time.Duration(i) * time.Second, recKey: []byte(fmt.Sprintf("order-%d", k)),
-				value: []byte(strconv.Itoa(i)), hkeys: []string{"defer.target", "defer.delay", "trace"},
-				hvals: [][]byte{[]byte(topicA), []byte("1s"), {0xff, 0x01}}})
+			rows = append(rows, fixture.Message{Key: fixture.Key(fmt.Sprintf("order-%d", k)), Target: dispatchtest.TopicA,
+				In: -time.Duration(i) * time.Second, RecordKey: []byte(fmt.Sprintf("order-%d", k)),
+				Value: []byte(strconv.Itoa(i)), HeaderKeys: []string{"defer.target", "defer.delay", "trace"},
+				HeaderValues: [][]byte{[]byte(dispatchtest.TopicA), []byte("1s"), {0xff, 0x01}}})
 		}
 	}
-	ids := e.insert(rows...)
-	d := e.dispatcher("t1", time.Minute, allowAll)
-	e.drain(d, 10*time.Second)
-	got := col.wait(t, keys*perKey, 5*time.Second)
-	mustEqual(t, "rows left", e.count("true"), 0)
+	ids := e.Insert(rows...)
+	d := e.Dispatcher("t1", time.Minute, dispatchtest.AllowAll)
+	e.Drain(d, 10*time.Second)
+	got := col.Wait(t, keys*perKey, 5*time.Second)
+	dispatchtest.MustEqual(t, "rows left", e.Count("true"), 0)
 
 	next := map[string]int{}
 	partition := map[string]int32{}
 	for _, m := range got {
 		k := string(m.Key)
-		mustEqual(t, "value of "+k, string(m.Value), strconv.Itoa(next[k]))
+		dispatchtest.MustEqual(t, "value of "+k, string(m.Value), strconv.Itoa(next[k]))
 		next[k]++
 		if p, ok := partition[k]; ok && p != m.Partition {
 			t.Fatalf("key %s on partitions %d and %d", k, p, m.Partition)
 		}
 		partition[k] = m.Partition
-		if hdr(m, "defer.delay") != "" {
+		if kafkatest.Header(m, "defer.delay") != "" {
 			t.Fatal("defer.delay must not be republished")
 		}
-		if !bytes.Equal([]byte(hdr(m, "trace")), []byte{0xff, 0x01}) {
-			t.Fatalf("binary header changed: %q", hdr(m, "trace"))
+		if !bytes.Equal([]byte(kafkatest.Header(m, "trace")), []byte{0xff, 0x01}) {
+			t.Fatalf("binary header changed: %q", kafkatest.Header(m, "trace"))
 		}
-		mustEqual(t, "defer.attempt", hdr(m, "defer.attempt"), "1")
-		if _, err := time.Parse(time.RFC3339Nano, hdr(m, "defer.scheduled-at")); err != nil {
+		dispatchtest.MustEqual(t, "defer.attempt", kafkatest.Header(m, "defer.attempt"), "1")
+		if _, err := time.Parse(time.RFC3339Nano, kafkatest.Header(m, "defer.scheduled-at")); err != nil {
 			t.Fatalf("defer.scheduled-at: %v", err)
 		}
 	}
 	// defer.id is the row id; the partition is the Java client's murmur2 pick.
 	first := got[0]
-	id, _ := strconv.ParseInt(hdr(first, "defer.id"), 10, 64)
+	id, _ := strconv.ParseInt(kafkatest.Header(first, "defer.id"), 10, 64)
 	if !slices.Contains(ids, id) {
 		t.Fatalf("defer.id %d is not a row id", id)
 	}
-	want, _ := sarama.NewMurmur2Partitioner(topicA).Partition(&sarama.ProducerMessage{Key: sarama.ByteEncoder(first.Key)}, 4)
-	mustEqual(t, "partition of "+string(first.Key), first.Partition, want)
+	want, _ := sarama.NewMurmur2Partitioner(dispatchtest.TopicA).Partition(&sarama.ProducerMessage{Key: sarama.ByteEncoder(first.Key)}, 4)
+	dispatchtest.MustEqual(t, "partition of "+string(first.Key), first.Partition, want)
 }
 
 // A message the dispatcher parks (the broker refuses it for good, or its
@@ -198,16 +202,16 @@ func TestDispatcherParksHoldOrReleaseKey(t *testing.T) {
 		name    string
 		target  string
 		value   []byte
-		allowed deferral.TargetPatterns
+		allowed protocol.TargetPatterns
 		reason  string // LIKE pattern of the parked row's reason
 	}{
-		{name: "unknown topic", target: "orders.nosuchtopic", value: []byte("bad"), allowed: allowAll,
+		{name: "unknown topic", target: "orders.nosuchtopic", value: []byte("bad"), allowed: dispatchtest.AllowAll,
 			reason: "publish_failed: unknown_topic:%"},
-		{name: "target outside TARGET_TOPICS", target: topicB, value: []byte("forbidden"), allowed: deferral.TargetPatterns{"orders.*"},
+		{name: "target outside TARGET_TOPICS", target: dispatchtest.TopicB, value: []byte("forbidden"), allowed: protocol.TargetPatterns{"orders.*"},
 			reason: "target_not_allowed:%"},
-		{name: "invalid target name", target: "orders retry", value: []byte("bad"), allowed: allowAll,
+		{name: "invalid target name", target: "orders retry", value: []byte("bad"), allowed: dispatchtest.AllowAll,
 			reason: "invalid_target:%"},
-		{name: "too large", target: topicA, value: bytes.Repeat([]byte("x"), 1_100_000), allowed: allowAll,
+		{name: "too large", target: dispatchtest.TopicA, value: bytes.Repeat([]byte("x"), 1_100_000), allowed: dispatchtest.AllowAll,
 			reason: "publish_failed: too_large:%"},
 	}
 	for _, tc := range cases {
@@ -217,34 +221,34 @@ func TestDispatcherParksHoldOrReleaseKey(t *testing.T) {
 				name = tc.name + ", releases its key"
 			}
 			t.Run(name, func(t *testing.T) {
-				e := newEnv(t)
-				col := e.collect(topicA, topicB)
-				ids := e.insert(
-					msg{key: str("k"), target: tc.target, recKey: []byte("k"), value: tc.value, release: release},
-					msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("after")},
-					msg{key: str("o"), target: topicA, recKey: []byte("o"), value: []byte("other")},
+				e := dispatchtest.New(t)
+				col := e.Collect(dispatchtest.TopicA, dispatchtest.TopicB)
+				ids := e.Insert(
+					fixture.Message{Key: fixture.Key("k"), Target: tc.target, RecordKey: []byte("k"), Value: tc.value, Release: release},
+					fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("after")},
+					fixture.Message{Key: fixture.Key("o"), Target: dispatchtest.TopicA, RecordKey: []byte("o"), Value: []byte("other")},
 				)
-				d := e.dispatcher("t1", time.Minute, tc.allowed)
-				e.drain(d, 20*time.Second)
+				d := e.Dispatcher("t1", time.Minute, tc.allowed)
+				e.Drain(d, 20*time.Second)
 				want := []string{"other"}
 				if release {
 					want = []string{"after", "other"}
 				}
-				col.wait(t, len(want), 5*time.Second)
+				col.Wait(t, len(want), 5*time.Second)
 				time.Sleep(200 * time.Millisecond) // anything more would show by now
-				got := col.snapshot()
+				got := col.Snapshot()
 				var values []string
 				for _, m := range got {
 					values = append(values, string(m.Value))
-					mustEqual(t, "topic of "+string(m.Value), m.Topic, topicA)
+					dispatchtest.MustEqual(t, "topic of "+string(m.Value), m.Topic, dispatchtest.TopicA)
 				}
 				slices.Sort(values)
 				if !slices.Equal(values, want) {
 					t.Fatalf("published %q, want %q", values, want)
 				}
-				mustEqual(t, "parked with the reason", e.count("id = $1 AND state = 'parked' AND reason LIKE $2", ids[0], tc.reason), 1)
+				dispatchtest.MustEqual(t, "parked with the reason", e.Count("id = $1 AND state = 'parked' AND reason LIKE $2", ids[0], tc.reason), 1)
 				var held bool
-				err := e.pool.QueryRow(context.Background(),
+				err := e.Pool.QueryRow(context.Background(),
 					"SELECT held FROM deferred_key WHERE business_key = 'k' AND head_id = $1", ids[0]).Scan(&held)
 				if release {
 					if !errors.Is(err, pgx.ErrNoRows) {
@@ -255,15 +259,15 @@ func TestDispatcherParksHoldOrReleaseKey(t *testing.T) {
 				if err != nil || !held {
 					t.Fatalf("key k is not held by its parked message: held=%v err=%v", held, err)
 				}
-				mustEqual(t, "messages waiting behind the held key", e.count("id = $1 AND state = 'pending'", ids[1]), 1)
+				dispatchtest.MustEqual(t, "messages waiting behind the held key", e.Count("id = $1 AND state = 'pending'", ids[1]), 1)
 
 				// The operator deletes the parked message: the key goes on.
-				if _, err := e.pool.Exec(context.Background(), "DELETE FROM deferred_message WHERE id = $1", ids[0]); err != nil {
+				if _, err := e.Pool.Exec(context.Background(), "DELETE FROM deferred_message WHERE id = $1", ids[0]); err != nil {
 					t.Fatal(err)
 				}
-				e.drain(d, 10*time.Second)
-				got = col.wait(t, 2, 5*time.Second)
-				mustEqual(t, "published after the delete", string(got[1].Value), "after")
+				e.Drain(d, 10*time.Second)
+				got = col.Wait(t, 2, 5*time.Second)
+				dispatchtest.MustEqual(t, "published after the delete", string(got[1].Value), "after")
 			})
 		}
 	}
@@ -271,18 +275,18 @@ func TestDispatcherParksHoldOrReleaseKey(t *testing.T) {
 
 // Retriable produce errors are retried by the producer and lose nothing.
 func TestRetriableProduceErrorsLoseNothing(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicA,
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	fault := e.Broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: dispatchtest.TopicA,
 		Err: kerr.NotLeaderForPartition, Count: 3})
 	defer fault.Remove()
-	var rows []msg
+	var rows []fixture.Message
 	for i := range 50 {
-		rows = append(rows, msg{key: str(fmt.Sprintf("k%d", i%5)), target: topicA, recKey: []byte(fmt.Sprintf("k%d", i%5)), value: []byte(strconv.Itoa(i))})
+		rows = append(rows, fixture.Message{Key: fixture.Key(fmt.Sprintf("k%d", i%5)), Target: dispatchtest.TopicA, RecordKey: []byte(fmt.Sprintf("k%d", i%5)), Value: []byte(strconv.Itoa(i))})
 	}
-	e.insert(rows...)
-	e.drain(e.dispatcher("t1", time.Minute, allowAll), 20*time.Second)
-	got := col.wait(t, 50, 5*time.Second)
+	e.Insert(rows...)
+	e.Drain(e.Dispatcher("t1", time.Minute, dispatchtest.AllowAll), 20*time.Second)
+	got := col.Wait(t, 50, 5*time.Second)
 	if fault.Hits() == 0 {
 		t.Fatal("the fault never fired; the test tested nothing")
 	}
@@ -290,30 +294,30 @@ func TestRetriableProduceErrorsLoseNothing(t *testing.T) {
 	for _, m := range got {
 		seen[string(m.Value)] = true
 	}
-	mustEqual(t, "distinct published", len(seen), 50)
-	mustEqual(t, "rows left", e.count("true"), 0)
+	dispatchtest.MustEqual(t, "distinct published", len(seen), 50)
+	dispatchtest.MustEqual(t, "rows left", e.Count("true"), 0)
 }
 
 // With the broker refusing every produce, keys back off, stay pending and
 // are not lost; when it recovers everything goes out in order.
 func TestBrokerDownBacksOffAndResumes(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: -1})
-	e.insert(
-		msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("1")},
-		msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("2")},
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	fault := e.Broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Err: kerr.NotEnoughReplicas, Count: -1})
+	e.Insert(
+		fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("1")},
+		fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("2")},
 	)
-	d := e.dispatcher("t1", time.Minute, allowAll)
+	d := e.Dispatcher("t1", time.Minute, dispatchtest.AllowAll)
 	st, err := d.Round(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustEqual(t, "keys backed off", st.Retry, 1)
-	mustEqual(t, "pending", e.count("state = 'pending'"), 2)
+	dispatchtest.MustEqual(t, "keys backed off", st.Retry, 1)
+	dispatchtest.MustEqual(t, "pending", e.Count("state = 'pending'"), 2)
 	var leasedBy *string
 	var blocked bool
-	if err := e.pool.QueryRow(context.Background(),
+	if err := e.Pool.QueryRow(context.Background(),
 		"SELECT leased_by, leased_until > now() FROM deferred_key WHERE business_key = 'k'").Scan(&leasedBy, &blocked); err != nil {
 		t.Fatal(err)
 	}
@@ -321,232 +325,68 @@ func TestBrokerDownBacksOffAndResumes(t *testing.T) {
 		t.Fatalf("after a retriable failure the key must be free of owner but blocked for the back-off; leased_by=%v blocked=%v", leasedBy, blocked)
 	}
 	fault.Remove()
-	e.drain(d, 20*time.Second)
-	got := col.wait(t, 2, 5*time.Second)
-	mustEqual(t, "first", string(got[0].Value), "1")
-	mustEqual(t, "second", string(got[1].Value), "2")
+	e.Drain(d, 20*time.Second)
+	got := col.Wait(t, 2, 5*time.Second)
+	dispatchtest.MustEqual(t, "first", string(got[0].Value), "1")
+	dispatchtest.MustEqual(t, "second", string(got[1].Value), "2")
 }
 
 // A crash between publish and finalize republishes after the lease
 // expires, with the same defer.id.
 func TestCrashAfterPublishRepublishesSameID(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("v")})
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	e.Insert(fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("v")})
 
-	crashing := e.dispatcher("crashing", 500*time.Millisecond, allowAll)
-	crashing.afterPublish = func() error { return errors.New("crash") }
-	if _, err := crashing.Round(context.Background()); !errors.Is(err, errCrashed) {
+	crashing := e.Dispatcher("crashing", 500*time.Millisecond, dispatchtest.AllowAll)
+	crashing.CrashAfterPublish(errors.New("crash"))
+	if _, err := crashing.Round(context.Background()); !errors.Is(err, dispatch.ErrCrashed) {
 		t.Fatalf("round: %v, want the crash", err)
 	}
-	first := col.wait(t, 1, 5*time.Second)
-	mustEqual(t, "still pending", e.count("state = 'pending'"), 1)
+	first := col.Wait(t, 1, 5*time.Second)
+	dispatchtest.MustEqual(t, "still pending", e.Count("state = 'pending'"), 1)
 
-	other := e.dispatcher("other", time.Minute, allowAll)
+	other := e.Dispatcher("other", time.Minute, dispatchtest.AllowAll)
 	st, err := other.Round(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustEqual(t, "claimable while the lease holds", st.Keys, 0)
+	dispatchtest.MustEqual(t, "claimable while the lease holds", st.Keys, 0)
 	time.Sleep(600 * time.Millisecond)
-	e.drain(other, 5*time.Second)
-	got := col.wait(t, 2, 5*time.Second)
-	mustEqual(t, "duplicate carries the same defer.id", hdr(got[1], "defer.id"), hdr(first[0], "defer.id"))
-	mustEqual(t, "rows left", e.count("true"), 0)
-}
-
-// The River runtime runs the loops, publishes, and hands over to successors.
-func TestRuntimeDispatchesAndHandsOver(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	waker := NewWaker(e.pool, 5*time.Millisecond, testLogger(t))
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go waker.Run(ctx)
-	rt, err := NewRuntime(e.pool, e.producer, waker, RuntimeConfig{
-		Instance: "test", Loops: 2, Workers: 2, LoopDuration: time.Second, Lease: time.Minute, PerKey: 10,
-		MaintenanceInterval: time.Minute,
-		Dispatch:            Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: allowAll},
-	}, testLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(context.Background())
-
-	// The poll interval is 5 s: arriving within a second proves the
-	// notification woke a loop.
-	time.Sleep(300 * time.Millisecond)
-	start := time.Now()
-	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("now")})
-	col.wait(t, 1, 5*time.Second)
-	if took := time.Since(start); took > time.Second {
-		t.Fatalf("due message published after %v; the notification did not wake a loop", took)
-	}
-	// Run across several hand-overs (LoopDuration 1 s).
-	e.insert(msg{key: str("k2"), target: topicA, recKey: []byte("k2"), in: 2500 * time.Millisecond, value: []byte("later")})
-	col.wait(t, 2, 6*time.Second)
-
-	var completed int
-	if err := e.pool.QueryRow(ctx, "SELECT count(*) FROM river_job WHERE kind = $1 AND state = 'completed'",
-		LoopArgs{}.Kind()).Scan(&completed); err != nil {
-		t.Fatal(err)
-	}
-	if completed < 2 {
-		t.Fatalf("%d loop runs completed; loops are not handing over", completed)
-	}
-	if err := rt.Stop(context.Background()); err != nil {
-		t.Fatal(err)
-	}
-	var waiting int
-	if err := e.pool.QueryRow(ctx, "SELECT count(DISTINCT args->>'slot') FROM river_job WHERE kind = $1 AND state IN ('available', 'scheduled', 'retryable')",
-		LoopArgs{}.Kind()).Scan(&waiting); err != nil {
-		t.Fatal(err)
-	}
-	mustEqual(t, "slots waiting for the next start", waiting, 2)
+	e.Drain(other, 5*time.Second)
+	got := col.Wait(t, 2, 5*time.Second)
+	dispatchtest.MustEqual(t, "duplicate carries the same defer.id", kafkatest.Header(got[1], "defer.id"), kafkatest.Header(first[0], "defer.id"))
+	dispatchtest.MustEqual(t, "rows left", e.Count("true"), 0)
 }
 
 // Without notifications, polling alone publishes on time.
 func TestPollingAloneIsCorrect(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	d := e.dispatcher("poller", time.Minute, allowAll)
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	d := e.Dispatcher("poller", time.Minute, dispatchtest.AllowAll)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx, time.Now().Add(time.Minute), nil) }()
-	e.insert(
-		msg{key: str("k"), target: topicA, recKey: []byte("k"), in: 300 * time.Millisecond, value: []byte("1")},
-		msg{target: topicA, recKey: []byte("u"), in: 100 * time.Millisecond, value: []byte("unordered")},
+	e.Insert(
+		fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), In: 300 * time.Millisecond, Value: []byte("1")},
+		fixture.Message{Target: dispatchtest.TopicA, RecordKey: []byte("u"), In: 100 * time.Millisecond, Value: []byte("unordered")},
 	)
-	got := col.wait(t, 2, 3*time.Second)
+	got := col.Wait(t, 2, 3*time.Second)
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	mustEqual(t, "first out", string(got[0].Value), "unordered")
-}
-
-// A loop job left running by a process that died (no heartbeat) is reaped
-// at start-up and its slot re-created, instead of blocking the slot until
-// River's rescuer gets to it.
-func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	ctx := context.Background()
-	newRuntime := func() *Runtime {
-		rt, err := NewRuntime(e.pool, e.producer, nil, RuntimeConfig{
-			Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
-			MaintenanceInterval: time.Hour,
-			Dispatch:            Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: allowAll},
-		}, testLogger(t))
-		if err != nil {
-			t.Fatal(err)
-		}
-		return rt
-	}
-	// The slot's job, as a process that then died would have left it.
-	if _, err := newRuntime().client.Insert(ctx, LoopArgs{Slot: 0}, nil); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now(),
-		attempted_by = ARRAY['dead-process'] WHERE kind = $1`, LoopArgs{}.Kind()); err != nil {
-		t.Fatal(err)
-	}
-	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("v")})
-
-	rt := newRuntime()
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
-	col.wait(t, 1, 10*time.Second)
-	var state string
-	if err := e.pool.QueryRow(ctx, "SELECT state FROM river_job WHERE 'dead-process' = ANY (attempted_by)").Scan(&state); err != nil {
-		t.Fatal(err)
-	}
-	mustEqual(t, "state of the dead process's loop", state, "discarded")
-	var alive bool
-	if err := e.pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM scheduler_instance WHERE id = $1)", rt.client.ID()).Scan(&alive); err != nil {
-		t.Fatal(err)
-	}
-	if !alive {
-		t.Fatal("a running process must be registered in scheduler_instance")
-	}
-	if err := rt.Stop(ctx); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.pool.QueryRow(ctx, "SELECT EXISTS (SELECT 1 FROM scheduler_instance WHERE id = $1)", rt.client.ID()).Scan(&alive); err != nil {
-		t.Fatal(err)
-	}
-	if alive {
-		t.Fatal("a stopped process must leave scheduler_instance")
-	}
-}
-
-// A database that went back in time brings back the running row of a loop
-// run that has ended since, attributed to a process that is alive: the
-// heartbeat alone would never reap it, and the slot would wait for River's
-// rescuer. The process reaps what the database says runs on it and does
-// not, and re-creates the slot; the loop it does run is left alone.
-func TestRuntimeReapsLoopsTheDatabaseSaysRunHere(t *testing.T) {
-	e := newEnv(t)
-	ctx := context.Background()
-	rt, err := NewRuntime(e.pool, e.producer, nil, RuntimeConfig{
-		Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
-		MaintenanceInterval: time.Hour,
-		Dispatch:            Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: allowAll},
-	}, testLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
-	kind := LoopArgs{}.Kind()
-	var running int64
-	eventually(t, 10*time.Second, "the loop running", func() bool {
-		return e.pool.QueryRow(ctx, "SELECT id FROM river_job WHERE kind = $1 AND state = 'running'", kind).Scan(&running) == nil
-	})
-	// The rewound database: the running job unknown, an older run of the
-	// slot running on this process since a minute.
-	if _, err := e.pool.Exec(ctx, "DELETE FROM river_job WHERE id = $1", running); err != nil {
-		t.Fatal(err)
-	}
-	old, err := rt.client.Insert(ctx, LoopArgs{Slot: 0}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := e.pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1,
-		attempted_at = now() - interval '1 minute', attempted_by = ARRAY[$2::text] WHERE id = $1`,
-		old.Job.ID, rt.client.ID()); err != nil {
-		t.Fatal(err)
-	}
-	var state string
-	eventually(t, 10*time.Second, "the stale run reaped", func() bool {
-		return e.pool.QueryRow(ctx, "SELECT state FROM river_job WHERE id = $1", old.Job.ID).Scan(&state) == nil &&
-			state == "discarded"
-	})
-	var waiting int
-	eventually(t, 10*time.Second, "the slot re-created", func() bool {
-		return e.pool.QueryRow(ctx, `SELECT count(*) FROM river_job WHERE kind = $1 AND id <> $2
-			AND state IN ('available', 'running')`, kind, old.Job.ID).Scan(&waiting) == nil && waiting == 1
-	})
-	if ids := rt.runningLoops(); len(ids) != 1 || ids[0] != running {
-		t.Errorf("running loops %v, want the one that was running, %d", ids, running)
-	}
+	dispatchtest.MustEqual(t, "first out", string(got[0].Value), "unordered")
 }
 
 // A due head that someone holds locked (an operator's open transaction) can
 // be neither claimed nor slept past; the loop must still not spin.
 func TestLockedDueHeadDoesNotSpin(t *testing.T) {
-	e := newEnv(t)
-	e.insert(msg{key: str("k"), target: topicA, recKey: []byte("k"), value: []byte("v")})
+	e := dispatchtest.New(t)
+	e.Insert(fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("v")})
 	ctx := context.Background()
-	tx, err := e.pool.Begin(ctx)
+	tx, err := e.Pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -557,28 +397,28 @@ func TestLockedDueHeadDoesNotSpin(t *testing.T) {
 	if _, err := tx.Exec(ctx, "SELECT FROM deferred_key WHERE business_key = 'k' FOR UPDATE"); err != nil {
 		t.Fatal(err)
 	}
-	d := e.dispatcher("t1", time.Minute, allowAll)
+	d := e.Dispatcher("t1", time.Minute, dispatchtest.AllowAll)
 	if err := d.Run(ctx, time.Now().Add(time.Second), nil); err != nil {
 		t.Fatal(err)
 	}
-	// At most one round per minIdle, and then some slack.
-	if limit := int(time.Second/minIdle) + 10; d.rounds > limit {
-		t.Fatalf("%d rounds in 1s with the due head locked; want at most %d (the loop spins)", d.rounds, limit)
+	// At most one round per dispatch.MinIdle, and then some slack.
+	if limit := int(time.Second/dispatch.MinIdle) + 10; d.Rounds() > limit {
+		t.Fatalf("%d rounds in 1s with the due head locked; want at most %d (the loop spins)", d.Rounds(), limit)
 	}
-	if d.rounds < 2 {
-		t.Fatalf("%d rounds in 1s; the loop must keep looking", d.rounds)
+	if d.Rounds() < 2 {
+		t.Fatalf("%d rounds in 1s; the loop must keep looking", d.Rounds())
 	}
 }
 
 // A target that keeps failing retriably backs off by itself: keys of other
 // targets flow at full speed meanwhile.
 func TestFailingTargetDoesNotSlowOthers(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
-	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicB, Err: kerr.NotEnoughReplicas, Count: -1})
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	fault := e.Broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: dispatchtest.TopicB, Err: kerr.NotEnoughReplicas, Count: -1})
 	defer fault.Remove()
-	e.insert(msg{key: str("stuck"), target: topicB, recKey: []byte("stuck"), value: []byte("x")})
-	d := e.dispatcher("t1", time.Minute, allowAll)
+	e.Insert(fixture.Message{Key: fixture.Key("stuck"), Target: dispatchtest.TopicB, RecordKey: []byte("stuck"), Value: []byte("x")})
+	d := e.Dispatcher("t1", time.Minute, dispatchtest.AllowAll)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
@@ -586,15 +426,15 @@ func TestFailingTargetDoesNotSlowOthers(t *testing.T) {
 
 	// Feed the healthy target in waves while the stuck key keeps failing.
 	for wave := range 10 {
-		var rows []msg
+		var rows []fixture.Message
 		for i := range 20 {
 			k := fmt.Sprintf("w%d-%d", wave, i)
-			rows = append(rows, msg{key: str(k), target: topicA, recKey: []byte(k), value: []byte(k)})
+			rows = append(rows, fixture.Message{Key: fixture.Key(k), Target: dispatchtest.TopicA, RecordKey: []byte(k), Value: []byte(k)})
 		}
-		e.insert(rows...)
+		e.Insert(rows...)
 		time.Sleep(100 * time.Millisecond)
 	}
-	col.wait(t, 200, 3*time.Second)
+	col.Wait(t, 200, 3*time.Second)
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
@@ -603,7 +443,7 @@ func TestFailingTargetDoesNotSlowOthers(t *testing.T) {
 		t.Fatalf("the stuck key was tried %d times; it must keep being retried", fault.Hits())
 	}
 	var failures int
-	if err := e.pool.QueryRow(context.Background(), "SELECT failures FROM deferred_key WHERE business_key = 'stuck'").Scan(&failures); err != nil {
+	if err := e.Pool.QueryRow(context.Background(), "SELECT failures FROM deferred_key WHERE business_key = 'stuck'").Scan(&failures); err != nil {
 		t.Fatal(err)
 	}
 	if failures < 2 {
@@ -611,98 +451,52 @@ func TestFailingTargetDoesNotSlowOthers(t *testing.T) {
 	}
 }
 
-// Lowering DISPATCH_LOOPS retires the slots above it.
-func TestLoweredLoopsRetire(t *testing.T) {
-	e := newEnv(t)
-	ctx := context.Background()
-	rt, err := NewRuntime(e.pool, e.producer, nil, RuntimeConfig{
-		Instance: "test", Loops: 1, Workers: 3, LoopDuration: 300 * time.Millisecond, Lease: time.Minute, PerKey: 10,
-		MaintenanceInterval: time.Hour,
-		Dispatch:            Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: allowAll},
-	}, testLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	// Slots 1 and 2 were created by an earlier configuration.
-	for _, slot := range []int{1, 2} {
-		if _, err := rt.client.Insert(ctx, LoopArgs{Slot: slot}, nil); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var live []int
-		rows, err := e.pool.Query(ctx, `SELECT DISTINCT (args->>'slot')::int FROM river_job
-			WHERE kind = $1 AND state NOT IN ('completed', 'discarded', 'cancelled') ORDER BY 1`, LoopArgs{}.Kind())
-		if err != nil {
-			t.Fatal(err)
-		}
-		for rows.Next() {
-			var s int
-			rows.Scan(&s)
-			live = append(live, s)
-		}
-		rows.Close()
-		if slices.Equal(live, []int{0}) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("live slots %v, want only [0]", live)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-}
-
 // A paused target's messages wait, in order, while other targets flow; the
 // loop does not spin on them; resuming sends them within a poll interval.
 func TestPausedTargetWaitsOthersFlow(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA, topicB)
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA, dispatchtest.TopicB)
 	ctx := context.Background()
-	if _, err := e.pool.Exec(ctx, "INSERT INTO target_control (target_topic, paused) VALUES ($1, true)", topicB); err != nil {
+	if _, err := e.Pool.Exec(ctx, "INSERT INTO target_control (target_topic, paused) VALUES ($1, true)", dispatchtest.TopicB); err != nil {
 		t.Fatal(err)
 	}
-	e.insert(
-		msg{key: str("p"), target: topicB, recKey: []byte("p"), value: []byte("p1")},
-		msg{key: str("p"), target: topicB, recKey: []byte("p"), value: []byte("p2")},
-		msg{key: str("a"), target: topicA, recKey: []byte("a"), value: []byte("a1")},
+	e.Insert(
+		fixture.Message{Key: fixture.Key("p"), Target: dispatchtest.TopicB, RecordKey: []byte("p"), Value: []byte("p1")},
+		fixture.Message{Key: fixture.Key("p"), Target: dispatchtest.TopicB, RecordKey: []byte("p"), Value: []byte("p2")},
+		fixture.Message{Key: fixture.Key("a"), Target: dispatchtest.TopicA, RecordKey: []byte("a"), Value: []byte("a1")},
 	)
-	d := e.dispatcher("t1", time.Minute, allowAll)
-	d.cfg.PollInterval = 500 * time.Millisecond
+	d := e.Dispatcher("t1", time.Minute, dispatchtest.AllowAll)
+	d.SetPollInterval(500 * time.Millisecond)
 	runCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := make(chan error, 1)
 	go func() { done <- d.Run(runCtx, time.Now().Add(time.Minute), nil) }()
 
-	col.wait(t, 1, 5*time.Second)
+	col.Wait(t, 1, 5*time.Second)
 	time.Sleep(time.Second)
-	if got := col.snapshot(); len(got) != 1 || string(got[0].Value) != "a1" {
-		t.Fatalf("published %s while %s is paused; want only a1", fmtIDs(got), topicB)
+	if got := col.Snapshot(); len(got) != 1 || string(got[0].Value) != "a1" {
+		t.Fatalf("published %s while %s is paused; want only a1", fmtIDs(got), dispatchtest.TopicB)
 	}
-	mustEqual(t, "paused target's messages pending", e.count("target_topic = $1 AND state = 'pending'", topicB), 2)
+	dispatchtest.MustEqual(t, "paused target's messages pending", e.Count("target_topic = $1 AND state = 'pending'", dispatchtest.TopicB), 2)
 
 	resumed := time.Now()
-	if _, err := e.pool.Exec(ctx, "UPDATE target_control SET paused = false WHERE target_topic = $1", topicB); err != nil {
+	if _, err := e.Pool.Exec(ctx, "UPDATE target_control SET paused = false WHERE target_topic = $1", dispatchtest.TopicB); err != nil {
 		t.Fatal(err)
 	}
-	got := col.wait(t, 3, 3*time.Second)
+	got := col.Wait(t, 3, 3*time.Second)
 	if took := time.Since(resumed); took > time.Second {
 		t.Fatalf("resumed target published after %v, want within a second", took)
 	}
-	mustEqual(t, "first after resume", string(got[1].Value), "p1")
-	mustEqual(t, "second after resume", string(got[2].Value), "p2")
+	dispatchtest.MustEqual(t, "first after resume", string(got[1].Value), "p1")
+	dispatchtest.MustEqual(t, "second after resume", string(got[2].Value), "p2")
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
 	// While paused the loop slept between polls instead of spinning on the
 	// paused heads (NextDue skips them): a handful of rounds, not thousands.
-	if d.rounds > 40 {
-		t.Fatalf("%d rounds in ~2s; the loop spins on a paused target", d.rounds)
+	if d.Rounds() > 40 {
+		t.Fatalf("%d rounds in ~2s; the loop spins on a paused target", d.Rounds())
 	}
 }
 
@@ -711,14 +505,14 @@ func TestPausedTargetWaitsOthersFlow(t *testing.T) {
 // first deliveries keep the key's order (chaos finding 3, where sarama's
 // producer gave up on message n and then delivered n+1).
 func TestFailedBatchMidRunKeepsKeyOrder(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA)
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
 	c := sarama.NewConfig()
 	c.Version = sarama.V3_6_0_0
-	c = ProducerConfig(c)
+	c = batchproducer.Config(c)
 	c.Producer.MaxMessageBytes = 700 // a few messages per record batch
 	c.Producer.Retry.Backoff = 10 * time.Millisecond
-	p, err := batchproducer.New([]string{e.addr}, c)
+	p, err := batchproducer.New([]string{e.Addr}, c)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -727,27 +521,27 @@ func TestFailedBatchMidRunKeepsKeyOrder(t *testing.T) {
 	// Requests 2 to 4 fail: the second batch of the first round uses up its
 	// three tries; a producer that went on would deliver the third.
 	var requests atomic.Int64
-	fault := e.broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: topicA, Err: kerr.NotLeaderForPartition, Count: -1,
+	fault := e.Broker.Fault(kfake.Fault{Keys: []kmsg.Key{kmsg.Produce}, Topic: dispatchtest.TopicA, Err: kerr.NotLeaderForPartition, Count: -1,
 		When: func(kmsg.Request) bool { n := requests.Add(1); return n >= 2 && n <= 4 }})
 	defer fault.Remove()
 
 	const n = 60
-	var rows []msg
+	var rows []fixture.Message
 	for i := range n {
-		rows = append(rows, msg{key: str("order-1"), target: topicA, recKey: []byte("order-1"), value: []byte(strconv.Itoa(i))})
+		rows = append(rows, fixture.Message{Key: fixture.Key("order-1"), Target: dispatchtest.TopicA, RecordKey: []byte("order-1"), Value: []byte(strconv.Itoa(i))})
 	}
-	e.insert(rows...)
-	l, err := keylock.New(e.pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 100})
+	e.Insert(rows...)
+	l, err := keylock.New(e.Pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 100})
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := New(l, p, nil, Config{BatchKeys: 100, PollInterval: 50 * time.Millisecond,
-		MaxBackoff: 200 * time.Millisecond, Targets: allowAll, MaxMessageBytes: 700}, testLogger(t))
+	d, err := dispatch.New(l, p, nil, dispatch.Config{BatchKeys: 100, PollInterval: 50 * time.Millisecond,
+		MaxBackoff: 200 * time.Millisecond, Targets: dispatchtest.AllowAll, MaxMessageBytes: 700}, dispatchtest.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.drain(d, 20*time.Second)
-	got := col.wait(t, n, 5*time.Second)
+	e.Drain(d, 20*time.Second)
+	got := col.Wait(t, n, 5*time.Second)
 	if requests.Load() < 5 {
 		t.Fatalf("%d produce requests; the fault did not play out", requests.Load())
 	}
@@ -762,8 +556,8 @@ func TestFailedBatchMidRunKeepsKeyOrder(t *testing.T) {
 		}
 		// v < next: a copy of a delivered message, allowed.
 	}
-	mustEqual(t, "messages delivered", next, n)
-	mustEqual(t, "rows left", e.count("true"), 0)
+	dispatchtest.MustEqual(t, "messages delivered", next, n)
+	dispatchtest.MustEqual(t, "rows left", e.Count("true"), 0)
 }
 
 // RoundMessages bounds every round, and a round still takes whole runs of a
@@ -790,23 +584,23 @@ func TestRoundMessagesBoundsRounds(t *testing.T) {
 		{"cap below both limits, one hot key", 1, 30, 2, 5, 5},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			e := newEnv(t)
-			col := e.collect(topicA)
-			var rows []msg
+			e := dispatchtest.New(t)
+			col := e.Collect(dispatchtest.TopicA)
+			var rows []fixture.Message
 			for k := range tc.keys {
 				for i := range tc.perKey {
 					key := fmt.Sprintf("k%d", k)
-					rows = append(rows, msg{key: str(key), target: topicA, recKey: []byte(key), value: []byte(fmt.Sprintf("%s|%d", key, i))})
+					rows = append(rows, fixture.Message{Key: fixture.Key(key), Target: dispatchtest.TopicA, RecordKey: []byte(key), Value: []byte(fmt.Sprintf("%s|%d", key, i))})
 				}
 			}
-			e.insert(rows...)
-			l, err := keylock.New(e.pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 10})
+			e.Insert(rows...)
+			l, err := keylock.New(e.Pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 10})
 			if err != nil {
 				t.Fatal(err)
 			}
 			limit := cmp.Or(tc.limit, 20)
-			d, err := New(l, e.producer, nil, Config{BatchKeys: 10, RoundMessages: limit, PollInterval: 50 * time.Millisecond,
-				MaxBackoff: 200 * time.Millisecond, Targets: allowAll}, testLogger(t))
+			d, err := dispatch.New(l, e.Producer, nil, dispatch.Config{BatchKeys: 10, RoundMessages: limit, PollInterval: 50 * time.Millisecond,
+				MaxBackoff: 200 * time.Millisecond, Targets: dispatchtest.AllowAll}, dispatchtest.Logger())
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -826,14 +620,23 @@ func TestRoundMessagesBoundsRounds(t *testing.T) {
 			if sent[0] != tc.wantFirst || len(sent) > 1 && sent[1] != tc.wantLater {
 				t.Errorf("rounds published %v, want %d then %d", sent, tc.wantFirst, tc.wantLater)
 			}
-			got := col.wait(t, total, 5*time.Second)
+			got := col.Wait(t, total, 5*time.Second)
 			next := map[string]int{}
 			for _, m := range got {
 				key, i, _ := strings.Cut(string(m.Value), "|")
-				mustEqual(t, "message of "+key, i, strconv.Itoa(next[key]))
+				dispatchtest.MustEqual(t, "message of "+key, i, strconv.Itoa(next[key]))
 				next[key]++
 			}
-			mustEqual(t, "rows left", e.count("true"), 0)
+			dispatchtest.MustEqual(t, "rows left", e.Count("true"), 0)
 		})
 	}
+}
+
+// fmtIDs lists messages as key:defer.id, for failure messages.
+func fmtIDs(ms []*sarama.ConsumerMessage) string {
+	s := ""
+	for _, m := range ms {
+		s += fmt.Sprintf("%s:%s ", m.Key, kafkatest.Header(m, "defer.id"))
+	}
+	return s
 }

@@ -1,6 +1,7 @@
-// Package dispatch republishes due messages: River jobs drive dispatch loops
-// that claim due key heads (internal/keylock), publish each key's run of due
-// messages to its target topic in order, and finalize.
+// Package dispatch is the dispatch round: claim due key heads
+// (internal/keylock), publish each key's run of due messages to its target
+// topic in order, and finalize. internal/runner drives rounds in loops
+// under River; this package knows nothing of River.
 //
 // No transaction is open while publishing: the claim commits a lease, the
 // publish happens outside the database, and a second short transaction
@@ -10,10 +11,10 @@
 // A message refused for good is parked; if its park_holds_key says so it
 // then holds its key, and nothing more of the key goes out until an operator
 // replays or deletes it. Targets with a rate limit (target_control) are
-// claimed apart, one message per token of a bucket all loops share. Each
-// process also publishes a dead-letter copy of every parked message whose
-// row names a dead-letter topic (see DeadLetter), and maintenance prunes the
-// attempt history past its retention.
+// claimed apart, one message per token of a bucket all loops share. The
+// records a round publishes, and the dead-letter copies of parked messages
+// (internal/deadletter publishes them), are built here (Record, DeadLetter).
+// See docs/design.md section 4.
 package dispatch
 
 import (
@@ -27,10 +28,9 @@ import (
 
 	"github.com/IBM/sarama"
 
-	"github.com/deferq/scheduler/internal/batchproducer"
-
 	"github.com/deferq/scheduler/internal/backoff"
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/batchproducer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/highwater"
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/metrics"
@@ -47,7 +47,7 @@ type Config struct {
 	MaxBackoff time.Duration
 	// Targets is the allow-list, checked again at publish time because an
 	// operator may have changed target_topic in SQL.
-	Targets deferral.TargetPatterns
+	Targets protocol.TargetPatterns
 	// Metrics receives per-round counts and durations, and River job outcomes
 	// when this Config is a Runtime's; nil records nothing.
 	Metrics *metrics.Metrics
@@ -58,6 +58,9 @@ type Config struct {
 	// which some key had more due messages than it could take (see
 	// claimSize).
 	RoundMessages int
+	// OnParked, when set, is called after a round parked messages (the
+	// runner's dead-letter publisher then looks at once).
+	OnParked func()
 	// Marks (nil: none) remembers the highest id and seq this process has
 	// seen: every claim raises it, and the Runtime's heartbeat moves the
 	// database's sequences past it (see internal/highwater).
@@ -93,10 +96,6 @@ type Dispatcher struct {
 	// afterPublish, when set (tests), runs between publish and finalize; an
 	// error stops the round there, as a crash would.
 	afterPublish func() error
-
-	// parked, when set, is called after a round parked messages (the
-	// Runtime's dead-letter publisher then looks at once).
-	parked func()
 
 	// limited caches the rate-limited targets for limitedFor (see
 	// limitedTargets): a round only pays for rate limits when some exist.
@@ -317,7 +316,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 					"Attempt to produce message larger than configured Producer.MaxMessageBytes: %d > %d", r.ByteSize(2), d.cfg.MaxMessageBytes))
 				_, reason := classify(err)
 				d.logger.Warn("parking message too large to publish", "id", m.ID, "target", m.Target, "reason", reason)
-				d.cfg.Metrics.PublishError(m.Target, publishErrorCode(err))
+				d.cfg.Metrics.PublishError(m.Target, PublishErrorCode(err))
 				d.cfg.Metrics.Parked(m.Target, reason)
 				b.parks = append(b.parks, keylock.Park{ID: m.ID, Reason: reason})
 				break
@@ -384,7 +383,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 			kind, reason := classify(err)
 			if kind == permanent {
 				d.logger.Warn("parking message the broker refused", "id", m.ID, "target", m.Target, "reason", reason)
-				mx.PublishError(m.Target, publishErrorCode(err))
+				mx.PublishError(m.Target, PublishErrorCode(err))
 				mx.Parked(m.Target, reason)
 				out.Parked = append(out.Parked, keylock.Park{ID: m.ID, Reason: reason})
 				refused = true
@@ -424,8 +423,8 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 				st.Published, err)
 		}
 	}
-	if st.Parked > 0 && d.parked != nil {
-		d.parked()
+	if st.Parked > 0 && d.cfg.OnParked != nil {
+		d.cfg.OnParked()
 	}
 	took := d.now().Sub(start)
 	mx.Round(took)
@@ -497,7 +496,7 @@ func (d *Dispatcher) claimLimited(ctx context.Context, maxBytes int) ([]keylock.
 // refuse says why target must not be published to, or "" if it may.
 func (d *Dispatcher) refuse(target string) string {
 	switch {
-	case !deferral.ValidTopic(target):
+	case !protocol.ValidTopic(target):
 		return fmt.Sprintf("invalid_target: target_topic %q is not a valid Kafka topic name", target)
 	case !d.cfg.Targets.Allows(target):
 		return fmt.Sprintf("target_not_allowed: target_topic %q is not in TARGET_TOPICS (changed after ingest?)", target)

@@ -10,8 +10,7 @@ import (
 
 	"github.com/IBM/sarama"
 
-	"github.com/deferq/scheduler/internal/batchproducer"
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/keylock"
 )
 
@@ -22,45 +21,6 @@ import (
 // returns nil or sarama.ProducerErrors.
 type Producer interface {
 	SendMessages(msgs []*sarama.ProducerMessage) error
-}
-
-// ProducerConfig sets on base, and returns it, the producer settings:
-// acks=all, few retries so that a publish ends well inside a lease, no topic
-// auto-creation (an unknown target must fail, not create a topic), and, for
-// a sarama producer built from it (the benchmarks' reference, the tests'
-// clients), idempotence, one request in flight and the Java-compatible
-// murmur2 partitioner, which batchproducer uses too (a key lands on the
-// partition the Java client would pick). The network timeouts come from base
-// (KAFKA_TIMEOUT); callers set brokers, TLS and SASL there too.
-func ProducerConfig(base *sarama.Config) *sarama.Config {
-	c := base
-	c.Producer.Idempotent = true
-	c.Producer.RequiredAcks = sarama.WaitForAll
-	c.Producer.Return.Successes = true
-	c.Producer.Return.Errors = true
-	c.Producer.Partitioner = sarama.NewMurmur2Partitioner
-	c.Producer.Retry.Max = 2
-	c.Producer.Retry.Backoff = 100 * time.Millisecond
-	// The broker waits up to Producer.Timeout for replicas; the read timeout
-	// must outlast it or a slow but successful produce looks failed.
-	c.Producer.Timeout = c.Net.ReadTimeout * 2 / 3
-	c.Net.MaxOpenRequests = 1
-	c.Metadata.AllowAutoTopicCreation = false
-	c.Metadata.Retry.Max = 1
-	c.Metadata.Retry.Backoff = 100 * time.Millisecond
-	// Without it a metadata refresh tries every broker in turn, each up to
-	// the network timeouts, which no lease could bound.
-	c.Metadata.Timeout = 2 * c.Net.ReadTimeout
-	return c
-}
-
-// MaxPublishDuration bounds how long one SendMessages call of the service's
-// producer can take with config c (from ProducerConfig): see
-// batchproducer.MaxDuration. With every network timeout T, this is 17T +
-// 0.3s. A lease must be longer, or a slow publish could overlap a second
-// holder's.
-func MaxPublishDuration(c *sarama.Config) time.Duration {
-	return batchproducer.MaxDuration(c)
 }
 
 // Headers the scheduler writes on dead-letter copies only (see DeadLetter),
@@ -139,9 +99,9 @@ func rewriteHeaders(in []keylock.Header, edits []headerEdit) []sarama.RecordHead
 // is 0: the header says the message went round the parking lot.
 func redriveEdit(n int32) headerEdit {
 	if n <= 0 {
-		return headerEdit{name: deferral.HeaderRedriveCount, mode: drop}
+		return headerEdit{name: protocol.HeaderRedriveCount, mode: drop}
 	}
-	return headerEdit{name: deferral.HeaderRedriveCount, value: []byte(strconv.FormatInt(int64(n), 10)), mode: set}
+	return headerEdit{name: protocol.HeaderRedriveCount, value: []byte(strconv.FormatInt(int64(n), 10)), mode: set}
 }
 
 // Record builds the republished record for m (DESIGN.md section 2): same key,
@@ -157,14 +117,14 @@ func redriveEdit(n int32) headerEdit {
 // operator edited it.
 func Record(m keylock.Message) *sarama.ProducerMessage {
 	headers := rewriteHeaders(m.Headers, []headerEdit{
-		{name: deferral.HeaderAt, mode: drop},
-		{name: deferral.HeaderDelay, mode: drop},
-		{name: deferral.HeaderSignature, mode: drop},
-		{name: deferral.HeaderTarget, value: []byte(m.Target), mode: replace},
-		{name: deferral.HeaderID, value: []byte(strconv.FormatInt(m.ID, 10))},
-		{name: deferral.HeaderSeq, value: []byte(strconv.FormatInt(m.Seq, 10))},
-		{name: deferral.HeaderAttempt, value: []byte(strconv.FormatInt(int64(m.Attempt)+1, 10))},
-		{name: deferral.HeaderScheduledAt, value: []byte(m.NextRunAt.UTC().Format(time.RFC3339Nano))},
+		{name: protocol.HeaderAt, mode: drop},
+		{name: protocol.HeaderDelay, mode: drop},
+		{name: protocol.HeaderSignature, mode: drop},
+		{name: protocol.HeaderTarget, value: []byte(m.Target), mode: replace},
+		{name: protocol.HeaderID, value: []byte(strconv.FormatInt(m.ID, 10))},
+		{name: protocol.HeaderSeq, value: []byte(strconv.FormatInt(m.Seq, 10))},
+		{name: protocol.HeaderAttempt, value: []byte(strconv.FormatInt(int64(m.Attempt)+1, 10))},
+		{name: protocol.HeaderScheduledAt, value: []byte(m.NextRunAt.UTC().Format(time.RFC3339Nano))},
 		redriveEdit(m.RedriveCount),
 	})
 	return record(m.Target, m.Key, m.Value, headers)
@@ -229,17 +189,17 @@ func DeadLetter(p Parked) *sarama.ProducerMessage {
 		offset = &s
 	}
 	headers := rewriteHeaders(p.Headers, []headerEdit{
-		{name: deferral.HeaderAt, mode: drop},
-		{name: deferral.HeaderDelay, mode: drop},
-		{name: deferral.HeaderSignature, mode: drop},
-		setOrDrop(deferral.HeaderTarget, p.Target),
-		{name: deferral.HeaderID, value: []byte(strconv.FormatInt(p.ID, 10))},
-		{name: deferral.HeaderSeq, value: []byte(strconv.FormatInt(p.Seq, 10))},
-		{name: deferral.HeaderAttempt, value: []byte(strconv.FormatInt(int64(p.Attempt), 10))},
+		{name: protocol.HeaderAt, mode: drop},
+		{name: protocol.HeaderDelay, mode: drop},
+		{name: protocol.HeaderSignature, mode: drop},
+		setOrDrop(protocol.HeaderTarget, p.Target),
+		{name: protocol.HeaderID, value: []byte(strconv.FormatInt(p.ID, 10))},
+		{name: protocol.HeaderSeq, value: []byte(strconv.FormatInt(p.Seq, 10))},
+		{name: protocol.HeaderAttempt, value: []byte(strconv.FormatInt(int64(p.Attempt), 10))},
 		redriveEdit(p.RedriveCount),
 		setOrDrop(HeaderDLQReason, p.Reason),
-		setOrDrop(deferral.HeaderErrorClass, p.ErrorClass),
-		setOrDrop(deferral.HeaderErrorMessage, p.ErrorMessage),
+		setOrDrop(protocol.HeaderErrorClass, p.ErrorClass),
+		setOrDrop(protocol.HeaderErrorMessage, p.ErrorMessage),
 		setOrDrop(HeaderParkedAt, parkedAt),
 		setOrDrop(HeaderSourceTopic, p.SourceTopic),
 		setOrDrop(HeaderSourcePartition, partition),
@@ -263,16 +223,16 @@ const (
 // anything that could be the broker being away is retriable. The reason of a
 // permanent error is what the parked row's reason says.
 func classify(err error) (errorKind, string) {
-	code := publishErrorCode(err)
+	code := PublishErrorCode(err)
 	if code == "retriable" {
 		return retriable, code
 	}
 	return permanent, fmt.Sprintf("publish_failed: %s: %v", code, err)
 }
 
-// publishErrorCode names a publish error for metrics and reasons: the code of
+// PublishErrorCode names a publish error for metrics and reasons: the code of
 // a permanent error, or "retriable".
-func publishErrorCode(err error) string {
+func PublishErrorCode(err error) string {
 	var cfgErr sarama.ConfigurationError
 	var encErr sarama.PacketEncodingError
 	switch {

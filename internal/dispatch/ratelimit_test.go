@@ -1,4 +1,4 @@
-package dispatch
+package dispatch_test
 
 import (
 	"context"
@@ -9,13 +9,16 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/dispatchtest"
+	"github.com/deferq/scheduler/internal/kafkatest"
 	"github.com/deferq/scheduler/internal/keylock"
 )
 
 // stamps returns the producer timestamps of the collected messages of topic.
-func stamps(c *collector, topic string) []time.Time {
+func stamps(c *kafkatest.Collector, topic string) []time.Time {
 	var out []time.Time
-	for _, m := range c.snapshot() {
+	for _, m := range c.Snapshot() {
 		if m.Topic == topic {
 			out = append(out, m.Timestamp)
 		}
@@ -39,17 +42,17 @@ func within(ts []time.Time, from, to time.Time) int {
 // within a second, pausing stops the target while others flow, and removing
 // it lets the rest out at once.
 func TestRateLimitedTargetPaced(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicA, topicB)
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA, dispatchtest.TopicB)
 	ctx := context.Background()
 	exec := func(sql string, args ...any) {
 		t.Helper()
-		if _, err := e.pool.Exec(ctx, sql, args...); err != nil {
+		if _, err := e.Pool.Exec(ctx, sql, args...); err != nil {
 			t.Fatal(err)
 		}
 	}
 	const limited = 400
-	exec(`INSERT INTO target_control (target_topic, rate_limit) VALUES ($1, 20)`, topicB)
+	exec(`INSERT INTO target_control (target_topic, rate_limit) VALUES ($1, 20)`, dispatchtest.TopicB)
 	insert := func(prefix, target string, n int) {
 		t.Helper()
 		// Some keys get two messages: a limited key still goes one message
@@ -58,17 +61,17 @@ func TestRateLimitedTargetPaced(t *testing.T) {
 			SELECT $1 || (i / 2), $2, now(), convert_to($1 || (i / 2), 'UTF8'), convert_to(i::text, 'UTF8')
 			FROM generate_series(1, $3::int) AS i`, prefix, target, n)
 	}
-	insert("b", topicB, limited)
-	insert("a", topicA, 300)
+	insert("b", dispatchtest.TopicB, limited)
+	insert("a", dispatchtest.TopicA, 300)
 
 	// Two loops share the bucket, as two replicas would.
 	t0 := time.Now()
 	runCtx, cancel := context.WithCancel(ctx)
 	var wg sync.WaitGroup
-	loops := make([]*Dispatcher, 2)
+	loops := make([]*dispatch.Dispatcher, 2)
 	for i := range loops {
-		loops[i] = e.dispatcher(fmt.Sprintf("loop-%d", i), time.Minute, allowAll)
-		loops[i].cfg.PollInterval = time.Second
+		loops[i] = e.Dispatcher(fmt.Sprintf("loop-%d", i), time.Minute, dispatchtest.AllowAll)
+		loops[i].SetPollInterval(time.Second)
 		wg.Go(func() {
 			if err := loops[i].Run(runCtx, time.Now().Add(time.Minute), nil); err != nil {
 				t.Error(err)
@@ -81,14 +84,14 @@ func TestRateLimitedTargetPaced(t *testing.T) {
 	}()
 
 	// The unlimited target is not slowed down by the limited one.
-	col.wait(t, 300, 3*time.Second)
-	if n := within(stamps(col, topicA), t0, t0.Add(2*time.Second)); n != 300 {
+	col.Wait(t, 300, 3*time.Second)
+	if n := within(stamps(col, dispatchtest.TopicA), t0, t0.Add(2*time.Second)); n != 300 {
 		t.Errorf("%d of 300 messages of the unlimited target published within 2s", n)
 	}
 
 	// 20/s: the one-second burst at once, then 20 a second.
 	time.Sleep(time.Until(t0.Add(3 * time.Second)))
-	b := stamps(col, topicB)
+	b := stamps(col, dispatchtest.TopicB)
 	t.Logf("20/s: %d in the first 500ms, %d from 1s to 3s", within(b, t0, t0.Add(500*time.Millisecond)),
 		within(b, t0.Add(time.Second), t0.Add(3*time.Second)))
 	if n := within(b, t0, t0.Add(500*time.Millisecond)); n < 20 || n > 39 {
@@ -100,36 +103,36 @@ func TestRateLimitedTargetPaced(t *testing.T) {
 
 	// Raised to 60/s: the pace follows within a second.
 	t1 := time.Now()
-	exec(`UPDATE target_control SET rate_limit = 60 WHERE target_topic = $1`, topicB)
+	exec(`UPDATE target_control SET rate_limit = 60 WHERE target_topic = $1`, dispatchtest.TopicB)
 	time.Sleep(time.Until(t1.Add(3 * time.Second)))
-	t.Logf("60/s: %d from 1s to 3s", within(stamps(col, topicB), t1.Add(time.Second), t1.Add(3*time.Second)))
-	if n := within(stamps(col, topicB), t1.Add(time.Second), t1.Add(3*time.Second)); n < 84 || n > 156 {
+	t.Logf("60/s: %d from 1s to 3s", within(stamps(col, dispatchtest.TopicB), t1.Add(time.Second), t1.Add(3*time.Second)))
+	if n := within(stamps(col, dispatchtest.TopicB), t1.Add(time.Second), t1.Add(3*time.Second)); n < 84 || n > 156 {
 		t.Errorf("%d messages from 1s to 3s after raising the limit to 60/s, want 120 ± 30%%", n)
 	}
 
 	// Paused: nothing of it goes out, while another target flows.
 	t2 := time.Now()
-	exec(`UPDATE target_control SET paused = true WHERE target_topic = $1`, topicB)
+	exec(`UPDATE target_control SET paused = true WHERE target_topic = $1`, dispatchtest.TopicB)
 	time.Sleep(300 * time.Millisecond)
-	insert("c", topicA, 100)
-	col.wait(t, 400+len(stamps(col, topicB)), 2*time.Second)
+	insert("c", dispatchtest.TopicA, 100)
+	col.Wait(t, 400+len(stamps(col, dispatchtest.TopicB)), 2*time.Second)
 	time.Sleep(time.Until(t2.Add(1300 * time.Millisecond)))
-	if n := within(stamps(col, topicB), t2.Add(300*time.Millisecond), t2.Add(1300*time.Millisecond)); n != 0 {
+	if n := within(stamps(col, dispatchtest.TopicB), t2.Add(300*time.Millisecond), t2.Add(1300*time.Millisecond)); n != 0 {
 		t.Errorf("%d messages of the paused target published", n)
 	}
-	sent := len(stamps(col, topicB))
+	sent := len(stamps(col, dispatchtest.TopicB))
 	if sent >= limited {
 		t.Fatalf("all %d limited messages went out before the end of the test; it measured nothing", sent)
 	}
 
 	// Resumed without a limit: the rest goes out at once.
 	t3 := time.Now()
-	exec(`UPDATE target_control SET paused = false, rate_limit = NULL WHERE target_topic = $1`, topicB)
-	col.wait(t, 400+limited, 3*time.Second)
+	exec(`UPDATE target_control SET paused = false, rate_limit = NULL WHERE target_topic = $1`, dispatchtest.TopicB)
+	col.Wait(t, 400+limited, 3*time.Second)
 	if took := time.Since(t3); took > 2*time.Second {
 		t.Errorf("the last %d messages took %v once the limit was removed", limited-sent, took)
 	}
-	checkKeyOrder(t, col.snapshot())
+	checkKeyOrder(t, col.Snapshot())
 }
 
 // checkKeyOrder fails if two messages of one record key came out of order
@@ -155,19 +158,19 @@ func checkKeyOrder(t *testing.T, ms []*sarama.ConsumerMessage) {
 // skipped by the main claim at once, so with a stale list it would send
 // nothing until the list expired. Here the list never expires on its own.
 func TestNotificationRefreshesLimitedTargets(t *testing.T) {
-	e := newEnv(t)
-	col := e.collect(topicB)
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicB)
 	wake := make(chan struct{}, 1)
-	l, err := keylock.New(e.pool, keylock.Config{Owner: "loop", Lease: time.Minute, PerKey: 10})
+	l, err := keylock.New(e.Pool, keylock.Config{Owner: "loop", Lease: time.Minute, PerKey: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, err := New(l, e.producer, wake, Config{BatchKeys: 100, PollInterval: 20 * time.Millisecond, Targets: allowAll},
-		testLogger(t))
+	d, err := dispatch.New(l, e.Producer, wake, dispatch.Config{BatchKeys: 100, PollInterval: 20 * time.Millisecond, Targets: dispatchtest.AllowAll},
+		dispatchtest.Logger())
 	if err != nil {
 		t.Fatal(err)
 	}
-	d.limitedFor = time.Hour
+	d.SetLimitedFor(time.Hour)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Run(ctx, time.Now().Add(time.Minute), nil) }()
@@ -180,14 +183,14 @@ func TestNotificationRefreshesLimitedTargets(t *testing.T) {
 	// The loop has read the (empty) list of limited targets.
 	time.Sleep(200 * time.Millisecond)
 
-	e.exec(`INSERT INTO target_control (target_topic, rate_limit) VALUES ($1, 1000)`, topicB)
-	e.exec(`INSERT INTO deferred_message (business_key, target_topic, next_run_at, key, value)
+	e.Exec(`INSERT INTO target_control (target_topic, rate_limit) VALUES ($1, 1000)`, dispatchtest.TopicB)
+	e.Exec(`INSERT INTO deferred_message (business_key, target_topic, next_run_at, key, value)
 		SELECT 'k' || i, $1, now(), convert_to('k' || i, 'UTF8'), convert_to(i::text, 'UTF8')
-		FROM generate_series(1, 5) AS i`, topicB)
+		FROM generate_series(1, 5) AS i`, dispatchtest.TopicB)
 	time.Sleep(300 * time.Millisecond)
-	if n := len(col.snapshot()); n != 0 {
+	if n := len(col.Snapshot()); n != 0 {
 		t.Fatalf("%d messages of the newly limited target went out before any notification; the test shows nothing", n)
 	}
 	wake <- struct{}{}
-	col.wait(t, 5, 5*time.Second)
+	col.Wait(t, 5, 5*time.Second)
 }

@@ -23,7 +23,7 @@ type Settings struct {
 	ClientID string
 	// Timeout bounds each network step (dial, write, read). Producers derive
 	// the broker's ack timeout from it, and leases must outlast the publish
-	// time it implies (see dispatch.MaxPublishDuration).
+	// time it implies (see batchproducer.MaxDuration).
 	Timeout time.Duration
 
 	TLS                bool

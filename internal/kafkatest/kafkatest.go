@@ -1,8 +1,8 @@
-// Package kafkatest starts in-process Kafka brokers (kfake) secured with TLS
-// and SASL, and makes the certificates they need, for tests of the service's
-// Kafka security settings. kfake speaks the real wire protocol over TCP, so
-// the clients under test do the same TLS handshakes and SASL exchanges as
-// against a real broker.
+// Package kafkatest starts in-process Kafka brokers (kfake) for tests,
+// plain or secured with TLS and SASL (with the certificates they need), and
+// collects what is published to them (Collector). kfake speaks the real
+// wire protocol over TCP, so the clients under test do the same requests,
+// TLS handshakes and SASL exchanges as against a real broker.
 package kafkatest
 
 import (
@@ -17,9 +17,11 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kfake"
 )
 
@@ -197,4 +199,89 @@ func writePEM(t testing.TB, dir, name, typ string, der []byte) string {
 		t.Fatalf("write %s: %v", path, err)
 	}
 	return path
+}
+
+// Collector reads every partition of some topics from their oldest offset,
+// for as long as the test runs.
+type Collector struct {
+	mu   sync.Mutex
+	msgs []*sarama.ConsumerMessage
+}
+
+// Collect starts a Collector of topics on the broker at addr; it stops when
+// the test ends.
+func Collect(t testing.TB, addr string, topics ...string) *Collector {
+	t.Helper()
+	c := sarama.NewConfig()
+	c.Version = sarama.V3_6_0_0
+	consumer, err := sarama.NewConsumer([]string{addr}, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	col := &Collector{}
+	var wg sync.WaitGroup
+	var pcs []sarama.PartitionConsumer
+	for _, topic := range topics {
+		parts, err := consumer.Partitions(topic)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range parts {
+			pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pcs = append(pcs, pc)
+			wg.Go(func() {
+				for m := range pc.Messages() {
+					col.mu.Lock()
+					col.msgs = append(col.msgs, m)
+					col.mu.Unlock()
+				}
+			})
+		}
+	}
+	t.Cleanup(func() {
+		// sarama wants partition consumers closed before their consumer.
+		for _, pc := range pcs {
+			pc.AsyncClose()
+		}
+		wg.Wait()
+		consumer.Close()
+	})
+	return col
+}
+
+// Wait returns the collected messages once there are at least n, failing
+// the test after within.
+func (c *Collector) Wait(t testing.TB, n int, within time.Duration) []*sarama.ConsumerMessage {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		got := c.Snapshot()
+		if len(got) >= n {
+			return got
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("got %d messages, want %d, within %v", len(got), n, within)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// Snapshot returns what was collected so far.
+func (c *Collector) Snapshot() []*sarama.ConsumerMessage {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]*sarama.ConsumerMessage(nil), c.msgs...)
+}
+
+// Header returns the value of m's first header named key, "" if none.
+func Header(m *sarama.ConsumerMessage, key string) string {
+	for _, h := range m.Headers {
+		if string(h.Key) == key {
+			return string(h.Value)
+		}
+	}
+	return ""
 }

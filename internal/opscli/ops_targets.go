@@ -15,7 +15,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 )
 
 // targetRow is a row of target_control as every target runbook file prints
@@ -49,7 +49,7 @@ func parseTarget(pos []string, want int, what string) (string, error) {
 	if len(pos) < want {
 		return "", usagef("want a target topic%s, got only %q", what, pos[0])
 	}
-	if !deferral.ValidTopic(pos[0]) {
+	if !protocol.ValidTopic(pos[0]) {
 		return "", usagef("%q is not a Kafka topic name: want 1 to 249 characters of a-z A-Z 0-9 . _ -", pos[0])
 	}
 	return pos[0], nil

@@ -29,10 +29,12 @@ import (
 
 	"github.com/deferq/scheduler/internal/batchproducer"
 	"github.com/deferq/scheduler/internal/config"
-	deferral "github.com/deferq/scheduler/internal/defer"
+	"github.com/deferq/scheduler/internal/defer/ingest"
+	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/highwater"
 	"github.com/deferq/scheduler/internal/metrics"
+	"github.com/deferq/scheduler/internal/runner"
 	"github.com/deferq/scheduler/migrations"
 	schedsql "github.com/deferq/scheduler/sql"
 )
@@ -43,14 +45,14 @@ type Service struct {
 	logger   *slog.Logger
 	pool     *pgxpool.Pool
 	producer *batchproducer.Producer
-	consumer *deferral.Consumer
-	budget   *deferral.Budget
+	consumer *ingest.Consumer
+	budget   *ingest.Budget
 	// marks is the highest message id and seq this process has seen, which
 	// ingest and the heartbeat keep a rewound database's sequences past.
 	marks    *highwater.Marks
-	ingester *deferral.Ingester
-	runtime  *dispatch.Runtime
-	waker    *dispatch.Waker
+	ingester *ingest.Ingester
+	runtime  *runner.Runtime
+	waker    *runner.Waker
 	http     *http.Server
 	listener net.Listener
 	// pprof serves net/http/pprof on PPROF_ADDR; nil when it is unset.
@@ -150,10 +152,10 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 	s.brokers = newBrokerCheck(brokers, probe)
 
 	cfg.LogPolicies(logger)
-	s.ingester, err = deferral.NewIngester(s.consumer.Group, deferral.NewStore(s.pool, s.marks), deferral.IngestConfig{
+	s.ingester, err = ingest.NewIngester(s.consumer.Group, ingest.NewStore(s.pool, s.marks), ingest.IngestConfig{
 		Topic: cfg.DeferTopic,
 		Group: cfg.ConsumerGroup,
-		Rules: deferral.Rules{Targets: cfg.Targets(), MaxDelay: cfg.MaxDelay,
+		Rules: protocol.Rules{Targets: cfg.Targets(), MaxDelay: cfg.MaxDelay,
 			Policies: cfg.Policies(), Classifier: cfg.Classifier(), Signing: cfg.Signing()},
 		BatchSize:   cfg.IngestBatchSize,
 		BatchBytes:  cfg.IngestBatchBytes,
@@ -166,10 +168,10 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		return nil, err
 	}
 	if cfg.ListenNotify {
-		s.waker = dispatch.NewWaker(s.pool, 5*time.Millisecond, logger.With("component", "notify"))
+		s.waker = runner.NewWaker(s.pool, 5*time.Millisecond, logger.With("component", "notify"))
 	}
 	host, _ := os.Hostname()
-	s.runtime, err = dispatch.NewRuntime(s.pool, s.producer, s.waker, dispatch.RuntimeConfig{
+	s.runtime, err = runner.New(s.pool, s.producer, s.waker, runner.Config{
 		Instance:            fmt.Sprintf("%s:%d", host, os.Getpid()),
 		Loops:               cfg.DispatchLoops,
 		Workers:             cfg.DispatchWorkers,
@@ -233,10 +235,10 @@ func (s *Service) connectKafka(ctx context.Context, brokers []string) error {
 			return err
 		}
 		pc.Producer.MaxMessageBytes = s.cfg.KafkaMaxMessageBytes
-		s.budget = deferral.NewBudget(int64(s.cfg.IngestBufferBytes))
-		s.producer, err = batchproducer.New(brokers, dispatch.ProducerConfig(pc))
+		s.budget = ingest.NewBudget(int64(s.cfg.IngestBufferBytes))
+		s.producer, err = batchproducer.New(brokers, batchproducer.Config(pc))
 		if err == nil {
-			s.consumer, err = deferral.NewConsumer(brokers, s.cfg.ConsumerGroup, cc, s.budget)
+			s.consumer, err = ingest.NewConsumer(brokers, s.cfg.ConsumerGroup, cc, s.budget)
 			if err != nil {
 				s.producer.Close()
 				s.producer = nil
@@ -295,7 +297,7 @@ func (s *Service) Run(ctx context.Context) error {
 	s.stopBy, _ = stopCtx.Deadline()
 	// Ingest and dispatch stop side by side, each within SHUTDOWN_TIMEOUT:
 	// ingest can be stuck in a consumer-group join for up to its read
-	// timeout (25 s or more, see deferral.ConsumerConfig), which must not
+	// timeout (25 s or more, see ingest.ConsumerConfig), which must not
 	// eat the time dispatch loops have to finish their round.
 	dispatchStopped := make(chan error, 1)
 	go func() { dispatchStopped <- s.runtime.Stop(stopCtx) }()
@@ -350,7 +352,7 @@ func (s *Service) close() {
 // SHUTDOWN_TIMEOUT (at least minGroupClose). sarama's Close waits for
 // Consume to return, then asks the coordinator to let the member go: with a
 // broker that does not answer, each can take the consumer's read timeout
-// (25 s or more, see deferral.ConsumerConfig). Not waiting loses nothing:
+// (25 s or more, see ingest.ConsumerConfig). Not waiting loses nothing:
 // every batch's next offset is stored with its rows and ingest resumes from
 // there, and the broker drops a member that never left after its session
 // timeout, when the group rebalances without it.
@@ -534,7 +536,7 @@ func (s *Service) backlog(ctx context.Context) (metrics.Backlog, error) {
 			continue // no message at all
 		}
 		label := metrics.OtherTarget
-		if target != nil && deferral.ValidTopic(*target) && s.cfg.Targets().Allows(*target) {
+		if target != nil && protocol.ValidTopic(*target) && s.cfg.Targets().Allows(*target) {
 			label = s.metrics.Target(*target)
 		}
 		if b.Messages[label] == nil {

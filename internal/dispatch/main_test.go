@@ -1,0 +1,9 @@
+package dispatch_test
+
+import (
+	"testing"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
