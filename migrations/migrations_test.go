@@ -93,6 +93,20 @@ func recorded(t *testing.T, pool *pgxpool.Pool) []int {
 	return vs
 }
 
+// recordedDefinitions returns the definitions checksum recorded on
+// scheduler_migration's highest version.
+func recordedDefinitions(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var sum *string
+	if err := pool.QueryRow(t.Context(), "SELECT definitions FROM scheduler_migration ORDER BY version DESC LIMIT 1").Scan(&sum); err != nil {
+		t.Fatal(err)
+	}
+	if sum == nil {
+		return ""
+	}
+	return *sum
+}
+
 func mustAll(t *testing.T) []migrations.Migration {
 	t.Helper()
 	all, err := migrations.All()
@@ -142,8 +156,12 @@ func TestApplyFreshThenAgain(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !slices.Equal(versions(first.Applied), versions(all)) || first.River == 0 {
-		t.Errorf("first Apply: ours %v, River %d; want %v and some River migrations", versions(first.Applied), first.River, versions(all))
+	if !slices.Equal(versions(first.Applied), versions(all)) || !first.Definitions || first.River == 0 {
+		t.Errorf("first Apply: ours %v, definitions %v, River %d; want %v, the definitions and some River migrations",
+			versions(first.Applied), first.Definitions, first.River, versions(all))
+	}
+	if got, want := recordedDefinitions(t, pool), mustChecksum(t); got != want {
+		t.Errorf("recorded definitions %q, want %q", got, want)
 	}
 	for _, table := range []string{"deferred_message", "deferred_key", "river_job", "scheduler_migration"} {
 		var ok bool
@@ -156,8 +174,8 @@ func TestApplyFreshThenAgain(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(second.Applied) != 0 || second.River != 0 {
-		t.Errorf("second Apply: ours %v, River %d; want nothing", versions(second.Applied), second.River)
+	if len(second.Applied) != 0 || second.Definitions || second.River != 0 {
+		t.Errorf("second Apply: ours %v, definitions %v, River %d; want nothing", versions(second.Applied), second.Definitions, second.River)
 	}
 	if got := recorded(t, pool); !slices.Equal(got, versions(all)) {
 		t.Errorf("scheduler_migration = %v, want %v", got, versions(all))
@@ -167,17 +185,41 @@ func TestApplyFreshThenAgain(t *testing.T) {
 	}
 }
 
-// TestApplyConcurrent: replicas starting at once against an empty database
-// all succeed, and each migration is applied and recorded exactly once.
+// TestApplyConcurrent: replicas starting at once all succeed, and each
+// migration is applied and recorded exactly once, the definitions too: on an
+// empty database (twice), and on one where the definitions alone are
+// pending (migrated by a release before sql/schema).
 func TestApplyConcurrent(t *testing.T) {
 	all := mustAll(t)
+	sum := mustChecksum(t)
 	const replicas = 3
-	for round := range 2 {
+	rounds := []struct {
+		name    string
+		prepare func(*pgxpool.Pool)
+		want    []int // what the one replica that applies anything applies
+	}{
+		{"empty", func(*pgxpool.Pool) {}, versions(all)},
+		{"empty again", func(*pgxpool.Pool) {}, versions(all)},
+		{"definitions pending", func(p *pgxpool.Pool) { migrateLikeOldRelease(t, p, lastOldMigration) }, func() []int {
+			if len(all) > lastOldMigration {
+				return versions(all[lastOldMigration:])
+			}
+			return []int{0}
+		}()},
+	}
+	for _, round := range rounds {
 		cfg := emptyDB(t)
 		pools := make([]*pgxpool.Pool, replicas)
 		for i := range pools {
 			pools[i] = newPool(t, cfg) // a pool each, as separate processes would have
 			if err := pools[i].Ping(t.Context()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		round.prepare(pools[0])
+		var riverBefore int
+		if round.name == "definitions pending" {
+			if err := pools[0].QueryRow(t.Context(), "SELECT count(*) FROM river_migration").Scan(&riverBefore); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -196,32 +238,40 @@ func TestApplyConcurrent(t *testing.T) {
 		close(start)
 		wg.Wait()
 
-		var ours, river, appliers int
+		var ours, river, appliers, definers int
 		for i := range replicas {
 			if errs[i] != nil {
-				t.Errorf("round %d: replica %d: Apply: %v", round, i, errs[i])
+				t.Errorf("round %s: replica %d: Apply: %v", round.name, i, errs[i])
 			}
 			ours += len(results[i].Applied)
 			river += results[i].River
+			if results[i].Definitions {
+				definers++
+			}
 			if len(results[i].Applied) > 0 {
 				appliers++
-				if !slices.Equal(versions(results[i].Applied), versions(all)) {
-					t.Errorf("round %d: replica %d applied %v, want all of %v or nothing", round, i, versions(results[i].Applied), versions(all))
+				if !slices.Equal(versions(results[i].Applied), round.want) || !results[i].Definitions {
+					t.Errorf("round %s: replica %d applied %v (definitions %v), want all of %v and the definitions, or nothing",
+						round.name, i, versions(results[i].Applied), results[i].Definitions, round.want)
 				}
 			}
 		}
-		if ours != len(all) || appliers != 1 {
-			t.Errorf("round %d: %d of our migrations applied by %d replicas, want %d by one", round, ours, appliers, len(all))
+		if ours != len(round.want) || appliers != 1 || definers != 1 {
+			t.Errorf("round %s: %d of our migrations applied by %d replicas, the definitions by %d; want %d by one, and the definitions by the same",
+				round.name, ours, appliers, definers, len(round.want))
 		}
 		var riverRecorded int
 		if err := pools[0].QueryRow(t.Context(), "SELECT count(*) FROM river_migration").Scan(&riverRecorded); err != nil {
 			t.Fatal(err)
 		}
-		if river != riverRecorded {
-			t.Errorf("round %d: replicas report %d River migrations applied, river_migration has %d", round, river, riverRecorded)
+		if river != riverRecorded-riverBefore {
+			t.Errorf("round %s: replicas report %d River migrations applied, river_migration has %d new", round.name, river, riverRecorded-riverBefore)
 		}
 		if got := recorded(t, pools[0]); !slices.Equal(got, versions(all)) {
-			t.Errorf("round %d: scheduler_migration = %v, want each of %v once", round, got, versions(all))
+			t.Errorf("round %s: scheduler_migration = %v, want each of %v once", round.name, got, versions(all))
+		}
+		if got := recordedDefinitions(t, pools[0]); got != sum {
+			t.Errorf("round %s: recorded definitions %q, want %q", round.name, got, sum)
 		}
 		var triggers int
 		if err := pools[0].QueryRow(t.Context(), `SELECT count(*) FROM pg_trigger
@@ -229,7 +279,7 @@ func TestApplyConcurrent(t *testing.T) {
 			t.Fatal(err)
 		}
 		if triggers != 7 {
-			t.Errorf("round %d: deferred_message has %d triggers, want 7 (heads on insert, update, delete, truncate; touch; history on insert, update)", round, triggers)
+			t.Errorf("round %s: deferred_message has %d triggers, want 7 (heads on insert, update, delete, truncate; touch; history on insert, update)", round.name, triggers)
 		}
 	}
 }
@@ -243,8 +293,8 @@ func TestMigratedDB(t *testing.T) {
 		t.Errorf("Pending = %v, %v; want none", versions(pending), err)
 	}
 	res, err := migrations.Apply(t.Context(), db.Pool, discard)
-	if err != nil || len(res.Applied) != 0 || res.River != 0 {
-		t.Errorf("Apply = ours %v, River %d, %v; want nothing", versions(res.Applied), res.River, err)
+	if err != nil || len(res.Applied) != 0 || res.Definitions || res.River != 0 {
+		t.Errorf("Apply = ours %v, definitions %v, River %d, %v; want nothing", versions(res.Applied), res.Definitions, res.River, err)
 	}
 }
 

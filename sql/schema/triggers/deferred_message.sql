@@ -1,0 +1,44 @@
+-- The triggers of deferred_message.
+--
+-- deferred_key is derived state: the AFTER statement triggers deferred_key_*
+-- keep it true for every statement, the service's own and an operator's
+-- alike (functions/deferred_key_after_*.sql). The deferred_attempt_*
+-- triggers write the attempt history. deferred_message_touch keeps
+-- updated_at and parked_at. Triggers of the same event fire in name order.
+--
+-- CREATE OR REPLACE TRIGGER (PostgreSQL 14+), so that `scheduler migrate`
+-- can apply this file again: it takes a SHARE ROW EXCLUSIVE lock on the
+-- table (writes wait, reads do not) until the migration commits. A trigger
+-- removed from this file is not dropped by that: drop it in a numbered
+-- migration.
+
+CREATE OR REPLACE TRIGGER deferred_key_insert AFTER INSERT ON deferred_message
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_after_insert();
+
+CREATE OR REPLACE TRIGGER deferred_key_update AFTER UPDATE ON deferred_message
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_after_update();
+
+CREATE OR REPLACE TRIGGER deferred_key_delete AFTER DELETE ON deferred_message
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_after_delete();
+
+-- TRUNCATE fires no DELETE trigger; without this, heads would point at
+-- messages that no longer exist.
+CREATE OR REPLACE TRIGGER deferred_key_truncate AFTER TRUNCATE ON deferred_message
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_after_truncate();
+
+-- updated_at follows every change an operator or the service makes;
+-- parked_at follows the state.
+CREATE OR REPLACE TRIGGER deferred_message_touch BEFORE UPDATE ON deferred_message
+    FOR EACH ROW EXECUTE FUNCTION deferred_message_touch();
+
+-- History: one deferred_attempt row per thing that happened to a message.
+CREATE OR REPLACE TRIGGER deferred_attempt_insert AFTER INSERT ON deferred_message
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_attempt_after_insert();
+
+CREATE OR REPLACE TRIGGER deferred_attempt_update AFTER UPDATE ON deferred_message
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_attempt_after_update();

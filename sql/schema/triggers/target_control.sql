@@ -1,0 +1,24 @@
+-- The triggers of target_control, the per-target controls (pause, rate
+-- limit) an operator sets with plain SQL.
+--
+-- CREATE OR REPLACE TRIGGER (PostgreSQL 14+), so that `scheduler migrate`
+-- can apply this file again; see deferred_message.sql.
+
+-- Dispatchers update tokens and refilled_at on every take; only an
+-- operator's change of what a target may do should wake them all.
+CREATE OR REPLACE TRIGGER target_control_changed AFTER INSERT OR DELETE ON target_control
+    FOR EACH STATEMENT EXECUTE FUNCTION target_control_notify();
+
+CREATE OR REPLACE TRIGGER target_control_updated AFTER UPDATE OF paused, rate_limit ON target_control
+    FOR EACH STATEMENT EXECUTE FUNCTION target_control_notify();
+
+-- A row trigger: it can name the columns, so the dispatchers' token takes
+-- (tokens, refilled_at) do not fire it.
+CREATE OR REPLACE TRIGGER target_control_throttle
+    AFTER INSERT OR UPDATE OF target_topic, paused, rate_limit OR DELETE ON target_control
+    FOR EACH ROW EXECUTE FUNCTION target_control_throttle();
+
+-- TRUNCATE waits for every transaction that read target_control, so no
+-- head writer can be flagging a head meanwhile.
+CREATE OR REPLACE TRIGGER target_control_truncate AFTER TRUNCATE ON target_control
+    FOR EACH STATEMENT EXECUTE FUNCTION target_control_after_truncate();
