@@ -272,7 +272,7 @@ func TestDegradeBrokerDown(t *testing.T) {
 	}
 	// A failed publish gives its key back at once, with a back-off in
 	// leased_until (leased_by NULL) that doubles from 100 ms per consecutive
-	// failure (sql/dispatch_release.sql): so each key was tried about
+	// failure (sql/queries/dispatch_release.sql): so each key was tried about
 	// log2(outage/100ms) times, and only a round in progress holds a lease.
 	var held, maxFailures int
 	if err := db.Pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE leased_by IS NOT NULL AND leased_until > now()),

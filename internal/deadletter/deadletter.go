@@ -25,7 +25,7 @@ import (
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/metrics"
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // A copy is published again, with the same defer.id, if its publisher dies
@@ -219,14 +219,10 @@ func (dl *Publisher) publishOnce(ctx context.Context) (dlqResult, error) {
 	b := &pgx.Batch{}
 	var marked []int64
 	if len(sent.ids) > 0 {
-		b.Queue(schedsql.DLQMarkPublished, sent.ids, sent.parkedAt).Query(func(rows pgx.Rows) error {
-			var err error
-			marked, err = pgx.CollectRows(rows, pgx.RowTo[int64])
-			return err
-		})
+		queries.QueueDLQMarkPublished(b, queries.DLQMarkPublishedParams{IDs: sent.ids, ParkedAt: sent.parkedAt}, &marked)
 	}
 	if len(retry.ids) > 0 {
-		b.Queue(schedsql.DLQBackOff, retry.ids, retry.parkedAt, backOffs)
+		queries.QueueDLQBackOff(b, queries.DLQBackOffParams{IDs: retry.ids, ParkedAt: retry.parkedAt, BackOffs: backOffs})
 	}
 	if b.Len() > 0 {
 		if err := dl.pool.SendBatch(mctx, b).Close(); err != nil {
@@ -275,25 +271,20 @@ func parkedBytes(parked []dispatch.Parked) int {
 // claimDeadLetters runs dlq_claim.sql: it leases up to limit copies, within
 // maxBytes, for lease and returns them.
 func claimDeadLetters(ctx context.Context, pool *pgxpool.Pool, limit, maxBytes int, lease time.Duration) ([]dispatch.Parked, error) {
-	rows, err := pool.Query(ctx, schedsql.DLQClaim, limit, lease, int64(max(1, maxBytes)))
+	rows, err := queries.DLQClaim(ctx, pool, queries.DLQClaimParams{Limit: limit, Lease: lease, MaxBytes: int64(max(1, maxBytes))})
 	if err != nil {
 		return nil, fmt.Errorf("claim dead-letter copies: %w", err)
 	}
-	parked, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (dispatch.Parked, error) {
-		var p dispatch.Parked
-		var hkeys []string
-		var hvals [][]byte
-		err := row.Scan(&p.ID, &p.Seq, &p.Target, &p.Attempt, &p.RedriveCount, &p.DLQTopic,
-			&p.Reason, &p.ErrorClass, &p.ErrorMessage, &p.ParkedAt, &p.SourceTopic, &p.SourcePartition,
-			&p.SourceOffset, &p.Key, &p.Value, &hkeys, &hvals)
-		p.Headers = make([]keylock.Header, len(hkeys))
-		for i := range hkeys {
-			p.Headers[i] = keylock.Header{Key: hkeys[i], Value: hvals[i]}
+	parked := make([]dispatch.Parked, len(rows))
+	for i, r := range rows {
+		parked[i] = dispatch.Parked{ID: r.ID, Seq: r.Seq, Target: r.Target, Attempt: r.Attempt,
+			RedriveCount: r.RedriveCount, DLQTopic: r.DLQTopic, Reason: r.Reason, ErrorClass: r.ErrorClass,
+			ErrorMessage: r.ErrorMessage, ParkedAt: r.ParkedAt, SourceTopic: r.SourceTopic,
+			SourcePartition: r.SourcePartition, SourceOffset: r.SourceOffset, Key: r.Key, Value: r.Value,
+			Headers: make([]keylock.Header, len(r.HeaderKeys))}
+		for j := range r.HeaderKeys {
+			parked[i].Headers[j] = keylock.Header{Key: r.HeaderKeys[j], Value: r.HeaderValues[j]}
 		}
-		return p, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("claim dead-letter copies: %w", err)
 	}
 	// Oldest first, as claimed; RETURNING does not promise an order.
 	slices.SortFunc(parked, func(a, b dispatch.Parked) int { return cmp.Compare(a.ID, b.ID) })

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -234,5 +235,5 @@ func eventually(t testing.TB, timeout time.Duration, what string, f func() bool)
 
 func isDeadlock(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "40P01"
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DeadlockDetected
 }

@@ -30,7 +30,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // Header is one Kafka record header as stored.
@@ -193,58 +193,43 @@ func Bytes(claims []Claim) int {
 // maxBytes is applied by the statement ($5): rows past it come back with
 // their key only (id NULL), and such keys are released here.
 func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only *string) ([]Claim, error) {
-	query, args := schedsql.DispatchClaim, []any{maxKeys, l.cfg.Lease, perKey, l.cfg.Owner, int64(max(1, maxBytes))}
+	p := queries.DispatchClaimParams{MaxKeys: maxKeys, Lease: l.cfg.Lease, PerKey: perKey, Owner: l.cfg.Owner,
+		MaxBytes: int64(max(1, maxBytes))}
+	var rows []queries.DispatchClaimRow
+	var err error
 	if only != nil {
-		query, args = schedsql.DispatchClaimTarget, append(args, *only)
+		rows, err = queries.DispatchClaimTarget(ctx, l.pool, queries.DispatchClaimTargetParams{DispatchClaimParams: p, Target: *only})
+	} else {
+		rows, err = queries.DispatchClaim(ctx, l.pool, p)
 	}
-	rows, err := l.pool.Query(ctx, query, args...)
 	if err != nil {
 		if only != nil {
 			return nil, fmt.Errorf("claim due keys of rate-limited target %q: %w", *only, err)
 		}
 		return nil, fmt.Errorf("claim due keys: %w", err)
 	}
-	defer rows.Close()
 
 	var claims, empty []Claim
-	for rows.Next() {
-		var (
-			businessKey *string
-			headID      int64
-			id, seq     *int64
-			target      *string
-			nextRunAt   *time.Time
-			attempt     *int32
-			redrives    *int32
-			key, value  []byte
-			hkeys       []string
-			hvals       [][]byte
-		)
-		if err := rows.Scan(&businessKey, &headID, &id, &seq, &target, &nextRunAt, &attempt, &redrives,
-			&key, &value, &hkeys, &hvals); err != nil {
-			return nil, fmt.Errorf("read claimed message: %w", err)
+	for i := range rows {
+		r := &rows[i]
+		c := Claim{HeadID: r.HeadID, Ordered: r.BusinessKey != nil}
+		if r.BusinessKey != nil {
+			c.BusinessKey = *r.BusinessKey
 		}
-		c := Claim{HeadID: headID, Ordered: businessKey != nil}
-		if businessKey != nil {
-			c.BusinessKey = *businessKey
-		}
-		if id == nil {
+		if r.ID == nil {
 			empty = append(empty, c)
 			continue
 		}
 		if len(claims) == 0 || !sameClaim(claims[len(claims)-1], c) {
 			claims = append(claims, c)
 		}
-		m := Message{ID: *id, Seq: *seq, Target: *target, NextRunAt: *nextRunAt, Attempt: *attempt,
-			RedriveCount: *redrives, Key: key, Value: value, Headers: make([]Header, len(hkeys))}
-		for i := range hkeys {
-			m.Headers[i] = Header{Key: hkeys[i], Value: hvals[i]}
+		m := Message{ID: *r.ID, Seq: *r.Seq, Target: *r.Target, NextRunAt: *r.NextRunAt, Attempt: *r.Attempt,
+			RedriveCount: *r.RedriveCount, Key: r.Key, Value: r.Value, Headers: make([]Header, len(r.HeaderKeys))}
+		for j := range r.HeaderKeys {
+			m.Headers[j] = Header{Key: r.HeaderKeys[j], Value: r.HeaderValues[j]}
 		}
 		last := &claims[len(claims)-1]
 		last.Messages = append(last.Messages, m)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, fmt.Errorf("claim due keys: %w", err)
 	}
 	if len(empty) > 0 {
 		if err := l.Finalize(ctx, empty, Outcome{}); err != nil {
@@ -294,18 +279,19 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	// dispatch_lock_messages.sql); then the changes.
 	b := &pgx.Batch{}
 	if changed := append(append([]int64(nil), out.Published...), parkIDs...); len(changed) > 0 {
-		b.Queue(schedsql.DispatchLockMessages, changed)
+		queries.QueueDispatchLockMessages(b, queries.DispatchLockMessagesParams{IDs: changed})
 	}
 	if len(keys) > 0 {
-		b.Queue(schedsql.DispatchLockKeys, keys)
+		queries.QueueDispatchLockKeys(b, queries.DispatchLockKeysParams{Keys: keys})
 	}
 	if len(out.Published) > 0 {
-		b.Queue(schedsql.DispatchDelete, out.Published)
+		queries.QueueDispatchDelete(b, queries.DispatchDeleteParams{IDs: out.Published})
 	}
 	if len(parkIDs) > 0 {
-		b.Queue(schedsql.DispatchPark, parkIDs, parkReasons)
+		queries.QueueDispatchPark(b, queries.DispatchParkParams{IDs: parkIDs, Reasons: parkReasons})
 	}
-	b.Queue(schedsql.DispatchRelease, keys, heads, l.cfg.Owner, retryKeys, retryHeads, l.cfg.BackoffBase, l.cfg.BackoffMax)
+	queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Heads: heads, Owner: l.cfg.Owner,
+		RetryKeys: retryKeys, RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
 	if err := l.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("finalize %d keys (%d published, %d parked): %w",
 			len(claims), len(out.Published), len(parkIDs), err)
@@ -320,15 +306,11 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 // rate-limited targets do not count: their pace is their tokens' (see
 // TakeTokens).
 func (l *Locker) NextDue(ctx context.Context) (time.Duration, bool, error) {
-	var secs float64
-	err := l.pool.QueryRow(ctx, schedsql.DispatchNextDue).Scan(&secs)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return 0, false, nil
-	}
+	row, found, err := queries.DispatchNextDue(ctx, l.pool)
 	if err != nil {
 		return 0, false, fmt.Errorf("read next due time: %w", err)
 	}
-	return seconds(secs), true, nil
+	return seconds(row.Seconds), found, nil
 }
 
 // seconds converts a number of seconds read from the database to a
@@ -359,21 +341,21 @@ const maxDurationSeconds = float64(math.MaxInt64 / int64(time.Second))
 // key (see migration 0003). Cheap when there is nothing to do: it reads two
 // rows of statistics.
 func AnalyzeIfStale(ctx context.Context, pool *pgxpool.Pool, minRows int64) ([]string, error) {
-	var analyzed []string
-	if err := pool.QueryRow(ctx, schedsql.QueueAnalyze, minRows).Scan(&analyzed); err != nil {
+	row, err := queries.QueueAnalyze(ctx, pool, queries.QueueAnalyzeParams{MinRows: minRows})
+	if err != nil {
 		return nil, fmt.Errorf("analyze queue tables with stale statistics: %w", err)
 	}
-	return analyzed, nil
+	return row.Analyzed, nil
 }
 
 // SweepExpired clears leases that expired, returning how many. Claims do not
 // depend on it; it keeps leased_by truthful for operators.
 func SweepExpired(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
-	tag, err := pool.Exec(ctx, schedsql.LeaseSweep)
+	n, err := queries.LeaseSweep(ctx, pool)
 	if err != nil {
 		return 0, fmt.Errorf("sweep expired leases: %w", err)
 	}
-	return tag.RowsAffected(), nil
+	return n, nil
 }
 
 // SweepThrottled repairs deferred_key.throttled flags that a race between an
@@ -381,9 +363,9 @@ func SweepExpired(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
 // stale, returning how many it changed (see dispatch_throttle_sweep.sql). It
 // reads all of deferred_key: run it from periodic maintenance.
 func SweepThrottled(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
-	var n int64
-	if err := pool.QueryRow(ctx, schedsql.DispatchThrottleSweep).Scan(&n); err != nil {
+	row, err := queries.DispatchThrottleSweep(ctx, pool)
+	if err != nil {
 		return 0, fmt.Errorf("repair throttled flags of key heads: %w", err)
 	}
-	return n, nil
+	return row.Changed, nil
 }

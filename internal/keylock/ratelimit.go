@@ -5,9 +5,7 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // Per-target rate limits (target_control.rate_limit, messages per second) are
@@ -31,13 +29,13 @@ type Grant struct {
 // LimitedTargets returns the targets that have a rate limit and are not
 // paused, in name order.
 func (l *Locker) LimitedTargets(ctx context.Context) ([]string, error) {
-	rows, err := l.pool.Query(ctx, schedsql.TargetLimited)
+	rows, err := queries.TargetLimited(ctx, l.pool)
 	if err != nil {
 		return nil, fmt.Errorf("read rate-limited targets: %w", err)
 	}
-	targets, err := pgx.CollectRows(rows, pgx.RowTo[string])
-	if err != nil {
-		return nil, fmt.Errorf("read rate-limited targets: %w", err)
+	targets := make([]string, len(rows))
+	for i, r := range rows {
+		targets[i] = r.Target
 	}
 	return targets, nil
 }
@@ -51,49 +49,30 @@ func (l *Locker) LimitedTargets(ctx context.Context) ([]string, error) {
 // bucket with less is not written (see target_peek_tokens.sql), which is
 // the usual case of a target running at its limit.
 func (l *Locker) TakeTokens(ctx context.Context, targets []string, want int) ([]Grant, error) {
-	type level struct {
-		target      string
-		rate, level float64
-	}
-	rows, err := l.pool.Query(ctx, schedsql.TargetPeekTokens, targets)
-	if err != nil {
-		return nil, fmt.Errorf("read rate-limit tokens of %d targets: %w", len(targets), err)
-	}
-	levels, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (level, error) {
-		var lv level
-		err := row.Scan(&lv.target, &lv.rate, &lv.level)
-		return lv, err
-	})
+	levels, err := queries.TargetPeekTokens(ctx, l.pool, queries.TargetPeekTokensParams{Targets: targets})
 	if err != nil {
 		return nil, fmt.Errorf("read rate-limit tokens of %d targets: %w", len(targets), err)
 	}
 	var grants []Grant
 	var full []string
 	for _, lv := range levels {
-		if lv.level >= 1 {
-			full = append(full, lv.target)
+		if lv.Level >= 1 {
+			full = append(full, lv.Target)
 			continue
 		}
-		grants = append(grants, Grant{Target: lv.target, NextToken: seconds((1 - lv.level) / lv.rate)})
+		grants = append(grants, Grant{Target: lv.Target, NextToken: seconds((1 - lv.Level) / lv.RateLimit)})
 	}
 	if len(full) == 0 {
 		return grants, nil
 	}
-	rows, err = l.pool.Query(ctx, schedsql.TargetTakeTokens, full, want)
+	taken, err := queries.TargetTakeTokens(ctx, l.pool, queries.TargetTakeTokensParams{Targets: full, Want: want})
 	if err != nil {
 		return nil, fmt.Errorf("take rate-limit tokens of %d targets: %w", len(full), err)
 	}
-	taken, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (Grant, error) {
-		var g Grant
-		var secs float64
-		err := row.Scan(&g.Target, &g.Taken, &secs)
-		g.NextToken = seconds(secs)
-		return g, err
-	})
-	if err != nil {
-		return nil, fmt.Errorf("take rate-limit tokens of %d targets: %w", len(full), err)
+	for _, t := range taken {
+		grants = append(grants, Grant{Target: t.Target, Taken: int(t.Taken), NextToken: seconds(t.NextTokenSeconds)})
 	}
-	return append(grants, taken...), nil
+	return grants, nil
 }
 
 // ReturnTokens gives back unused tokens, n[target] to each target's bucket.
@@ -108,7 +87,7 @@ func (l *Locker) ReturnTokens(ctx context.Context, n map[string]int) error {
 	if len(targets) == 0 {
 		return nil
 	}
-	if _, err := l.pool.Exec(ctx, schedsql.TargetReturnTokens, targets, counts); err != nil {
+	if err := queries.TargetReturnTokens(ctx, l.pool, queries.TargetReturnTokensParams{Targets: targets, Counts: counts}); err != nil {
 		return fmt.Errorf("give back rate-limit tokens of %d targets: %w", len(targets), err)
 	}
 	return nil

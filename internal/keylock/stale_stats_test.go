@@ -12,7 +12,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/pgtest"
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // A queue table's statistics are usually stale in the worst way: autovacuum
@@ -146,28 +146,21 @@ func runStep(t *testing.T, pool *pgxpool.Pool, s step, batch int, checkHeads boo
 
 	// The claim itself, then the step on what it claimed: the first
 	// message of each claimed key, or each unordered head.
-	rows, err := tx.Query(ctx, schedsql.DispatchClaim, batch, time.Minute, 1, "stale-stats", int64(keylock.DefaultMaxBytes))
+	rows, err := queries.DispatchClaim(ctx, tx, queries.DispatchClaimParams{MaxKeys: batch, Lease: time.Minute,
+		PerKey: 1, Owner: "stale-stats", MaxBytes: int64(keylock.DefaultMaxBytes)})
 	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}
 	var ids []int64
 	var keys []string
-	var key *string
-	var headID int64
-	var msgID *int64
-	var skip any
-	scan := []any{&key, &headID, &msgID, &skip, &skip, &skip, &skip, &skip, &skip, &skip, &skip, &skip}
-	if _, err := pgx.ForEachRow(rows, scan, func() error {
-		if msgID == nil {
-			return fmt.Errorf("claimed head %d came back without its message", headID)
+	for _, r := range rows {
+		if r.ID == nil {
+			t.Fatalf("claimed head %d came back without its message", r.HeadID)
 		}
-		ids = append(ids, *msgID)
-		if key != nil {
-			keys = append(keys, *key)
+		ids = append(ids, *r.ID)
+		if r.BusinessKey != nil {
+			keys = append(keys, *r.BusinessKey)
 		}
-		return nil
-	}); err != nil {
-		t.Fatalf("claim: %v", err)
 	}
 	if len(ids) != batch {
 		t.Fatalf("claimed %d heads, want %d", len(ids), batch)
@@ -250,14 +243,14 @@ func readRows(t *testing.T, tx pgx.Tx) map[string]int64 {
 // and Finalize runs its own.
 func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, parked []int64) error {
 	changed := append(append([]int64(nil), published...), parked...)
-	if _, err := tx.Exec(ctx, schedsql.DispatchLockMessages, changed); err != nil {
+	if err := queries.DispatchLockMessages(ctx, tx, queries.DispatchLockMessagesParams{IDs: changed}); err != nil {
 		return fmt.Errorf("lock messages: %w", err)
 	}
-	if _, err := tx.Exec(ctx, schedsql.DispatchLockKeys, keys); err != nil {
+	if err := queries.DispatchLockKeys(ctx, tx, queries.DispatchLockKeysParams{Keys: keys}); err != nil {
 		return fmt.Errorf("lock keys: %w", err)
 	}
 	if len(published) > 0 {
-		if _, err := tx.Exec(ctx, schedsql.DispatchDelete, published); err != nil {
+		if err := queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: published}); err != nil {
 			return fmt.Errorf("delete: %w", err)
 		}
 	}
@@ -266,12 +259,12 @@ func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, 
 		for i := range reasons {
 			reasons[i] = "exhausted"
 		}
-		if _, err := tx.Exec(ctx, schedsql.DispatchPark, parked, reasons); err != nil {
+		if err := queries.DispatchPark(ctx, tx, queries.DispatchParkParams{IDs: parked, Reasons: reasons}); err != nil {
 			return fmt.Errorf("park: %w", err)
 		}
 	}
-	if _, err := tx.Exec(ctx, schedsql.DispatchRelease, keys, []int64{}, "stale-stats", []string{}, []int64{},
-		time.Second, time.Minute); err != nil {
+	if err := queries.DispatchRelease(ctx, tx, queries.DispatchReleaseParams{Keys: keys, Owner: "stale-stats",
+		BackoffBase: time.Second, BackoffMax: time.Minute}); err != nil {
 		return fmt.Errorf("release: %w", err)
 	}
 	return nil
@@ -279,14 +272,14 @@ func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, 
 
 // finalizeUnordered is finalize for unordered heads, all published.
 func finalizeUnordered(ctx context.Context, tx pgx.Tx, ids []int64) error {
-	if _, err := tx.Exec(ctx, schedsql.DispatchLockMessages, ids); err != nil {
+	if err := queries.DispatchLockMessages(ctx, tx, queries.DispatchLockMessagesParams{IDs: ids}); err != nil {
 		return fmt.Errorf("lock messages: %w", err)
 	}
-	if _, err := tx.Exec(ctx, schedsql.DispatchDelete, ids); err != nil {
+	if err := queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: ids}); err != nil {
 		return fmt.Errorf("delete: %w", err)
 	}
-	if _, err := tx.Exec(ctx, schedsql.DispatchRelease, []string{}, ids, "stale-stats", []string{}, []int64{},
-		time.Second, time.Minute); err != nil {
+	if err := queries.DispatchRelease(ctx, tx, queries.DispatchReleaseParams{Heads: ids, Owner: "stale-stats",
+		BackoffBase: time.Second, BackoffMax: time.Minute}); err != nil {
 		return fmt.Errorf("release: %w", err)
 	}
 	return nil

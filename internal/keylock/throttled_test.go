@@ -18,7 +18,7 @@ import (
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/pgtest"
 	"github.com/deferq/scheduler/migrations"
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // throttledSummary lists the throttled heads as headSummary does.
@@ -182,15 +182,15 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 		args    []any
 		max     int64
 	}{
-		{"main claim", nil, schedsql.DispatchClaim, []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes)}, 10},
-		{"limited target's claim", nil, schedsql.DispatchClaimTarget, []any{5, lease, 1, "me", int64(keylock.DefaultMaxBytes), "limited.t"}, 5},
-		{"next due", nil, schedsql.DispatchNextDue, nil, 20},
-		{"token peek", nil, schedsql.TargetPeekTokens, []any{[]string{"limited.t", "paused.t"}}, 5},
-		{"token take", nil, schedsql.TargetTakeTokens, []any{[]string{"limited.t"}, 5}, 5},
+		{"main claim", nil, statementSQL(t, "dispatch_claim.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes)}, 10},
+		{"limited target's claim", nil, statementSQL(t, "dispatch_claim_target.sql"), []any{5, lease, 1, "me", int64(keylock.DefaultMaxBytes), "limited.t"}, 5},
+		{"next due", nil, statementSQL(t, "dispatch_next_due.sql"), nil, 20},
+		{"token peek", nil, statementSQL(t, "target_peek_tokens.sql"), []any{[]string{"limited.t", "paused.t"}}, 5},
+		{"token take", nil, statementSQL(t, "target_take_tokens.sql"), []any{[]string{"limited.t"}, 5}, 5},
 		// The gauge also counts all of deferred_message and the keys backing
 		// off (a scan of deferred_key), on an interval by design; what must
 		// not grow is finding the oldest due head and counting held keys.
-		{"backlog gauge's key heads", []string{"deferred_key_due", "deferred_key_throttled"}, schedsql.MetricsBacklog, nil, 20},
+		{"backlog gauge's key heads", []string{"deferred_key_due", "deferred_key_throttled"}, statementSQL(t, "metrics_backlog.sql"), nil, 20},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -273,25 +273,14 @@ func TestBacklogGaugeOldestDue(t *testing.T) {
 			for _, s := range tt.setup {
 				mustExec(t, db.Pool, s)
 			}
-			rows, err := db.Pool.Query(t.Context(), schedsql.MetricsBacklog)
+			rows, err := queries.MetricsBacklog(t.Context(), db.Pool)
 			if err != nil {
 				t.Fatal(err)
 			}
-			var oldest []float64
-			for rows.Next() {
-				vals, err := rows.Values()
-				if err != nil {
-					t.Fatal(err)
-				}
-				oldest = append(oldest, vals[4].(float64))
-			}
-			if err := rows.Err(); err != nil {
-				t.Fatal(err)
-			}
-			if len(oldest) == 0 {
+			if len(rows) == 0 {
 				t.Fatal("no row")
 			}
-			got := time.Duration(oldest[0] * float64(time.Second))
+			got := time.Duration(rows[0].OldestDueSeconds * float64(time.Second))
 			if got < tt.want || got > tt.want+5*time.Second {
 				t.Errorf("oldest due = %v, want about %v", got, tt.want)
 			}
@@ -334,7 +323,7 @@ func TestClaimStatementsShareTheirMessageRead(t *testing.T) {
 		}
 		return s[i:]
 	}
-	if tail("dispatch_claim.sql", schedsql.DispatchClaim) != tail("dispatch_claim_target.sql", schedsql.DispatchClaimTarget) {
+	if tail("dispatch_claim.sql", statementSQL(t, "dispatch_claim.sql")) != tail("dispatch_claim_target.sql", statementSQL(t, "dispatch_claim_target.sql")) {
 		t.Error("dispatch_claim.sql and dispatch_claim_target.sql differ after the heads they lease")
 	}
 }
@@ -562,4 +551,15 @@ func TestUpgradeFlagsPausedTargets(t *testing.T) {
 		t.Errorf("throttled heads after the upgrade = %q, want %q", got, want)
 	}
 	assertHeadsMatch(t, conn)
+}
+
+// statementSQL returns the text of one of sql/queries' statements, for a
+// test that reads its plan.
+func statementSQL(t *testing.T, file string) string {
+	t.Helper()
+	s, ok := queries.Lookup(file)
+	if !ok {
+		t.Fatalf("no statement %s", file)
+	}
+	return s.SQL
 }

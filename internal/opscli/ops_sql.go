@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -295,7 +296,7 @@ func runbookRows[T any](ctx context.Context, q queryer, name string, vars map[st
 // operator should do about the errors the README documents.
 func explainDBError(name string, err error) error {
 	var pe *pgconn.PgError
-	if errors.As(err, &pe) && pe.Code == "40P01" {
+	if errors.As(err, &pe) && pe.Code == pgerrcode.DeadlockDetected {
 		return fmt.Errorf("runbook %s: %w: a dispatcher was finalizing some of the same messages; nothing changed, run it again", name, err)
 	}
 	return fmt.Errorf("runbook %s: %w", name, err)

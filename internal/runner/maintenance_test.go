@@ -8,7 +8,7 @@ import (
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/dispatchtest"
 	"github.com/deferq/scheduler/internal/fixture"
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // ageHistory makes the history rows of messages with these record values
@@ -173,22 +173,15 @@ func TestMetricsBacklogQuery(t *testing.T) {
 			t.Fatalf("%s: %v", st.sql, err)
 		}
 	}
-	rows, err := e.Pool.Query(ctx, schedsql.MetricsBacklog)
+	rows, err := queries.MetricsBacklog(ctx, e.Pool)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rows.Close()
 	counts := map[string]int64{}
 	var n int
-	for rows.Next() {
-		var (
-			target, state                           *string
-			messages, due, held, heldParked, unsent int64
-			oldestDue, oldestXact                   float64
-		)
-		if err := rows.Scan(&target, &state, &messages, &due, &oldestDue, &held, &oldestXact, &heldParked, &unsent); err != nil {
-			t.Fatal(err)
-		}
+	for _, r := range rows {
+		target, state, messages, oldestDue := r.Target, r.State, r.Messages, r.OldestDueSeconds
+		held, heldParked, unsent := r.HeldKeys, r.HeldParked, r.DLQUnsent
 		n++
 		counts[*target+"/"+*state] = messages
 		// The late key's head is ~10s late; the held key's head, an hour
@@ -199,9 +192,6 @@ func TestMetricsBacklogQuery(t *testing.T) {
 		dispatchtest.MustEqual(t, "keys backing off", held, int64(1))
 		dispatchtest.MustEqual(t, "keys held by a parked message", heldParked, int64(1))
 		dispatchtest.MustEqual(t, "dead-letter copies due", unsent, int64(1))
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
 	}
 	if n == 0 || counts[dispatchtest.TopicA+"/parked"] != 3 || counts[dispatchtest.TopicA+"/pending"] != 3 {
 		t.Errorf("counts %v, want 3 parked and 3 pending", counts)

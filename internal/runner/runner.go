@@ -25,7 +25,7 @@ import (
 	"github.com/deferq/scheduler/internal/deadletter"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/keylock"
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // River queues the service uses.
@@ -331,11 +331,11 @@ func (rt *Runtime) heartbeat(ctx context.Context) {
 func (rt *Runtime) beat(ctx context.Context) error {
 	marks := rt.cfg.Dispatch.Marks
 	minID, minSeq := marks.Get()
-	var id, seq int64
-	if err := rt.pool.QueryRow(ctx, schedsql.InstanceHeartbeat, rt.client.ID(), minID, minSeq).Scan(&id, &seq); err != nil {
+	row, err := queries.InstanceHeartbeat(ctx, rt.pool, queries.InstanceHeartbeatParams{ID: rt.client.ID(), MinID: minID, MinSeq: minSeq})
+	if err != nil {
 		return err
 	}
-	marks.Observe(id, seq)
+	marks.Observe(row.IDHigh, row.SeqHigh)
 	return nil
 }
 
@@ -375,32 +375,20 @@ func (rt *Runtime) loopRunning(id int64) func() {
 // loop jobs the database says run here that do not (see
 // dispatch_reap_loops.sql) and, if there were any, re-creates their slots.
 func (rt *Runtime) reap(ctx context.Context) error {
-	rows, err := rt.pool.Query(ctx, schedsql.DispatchReapLoops, LoopArgs{}.Kind(), staleAfter,
-		rt.client.ID(), orphanAfter, rt.runningLoops())
+	reaped, err := queries.DispatchReapLoops(ctx, rt.pool, queries.DispatchReapLoopsParams{Kind: LoopArgs{}.Kind(),
+		StaleAfter: staleAfter, Self: rt.client.ID(), OrphanAfter: orphanAfter, Running: rt.runningLoops()})
 	if err != nil {
 		return fmt.Errorf("reap dispatch loops: %w", err)
 	}
-	var reaped int
-	for rows.Next() {
-		var id int64
-		var holder *string
-		var ours bool
-		if err := rows.Scan(&id, &holder, &ours); err != nil {
-			rows.Close()
-			return fmt.Errorf("reap dispatch loops: %w", err)
-		}
-		reaped++
-		if ours {
+	for _, r := range reaped {
+		if r.Ours {
 			rt.logger.Warn("reaped dispatch loop the database says runs here, which does not: the database went back in time",
-				"job", id)
+				"job", r.ID)
 			continue
 		}
-		rt.logger.Warn("reaped dispatch loop of a process that stopped heartbeating", "job", id, "holder", holder)
+		rt.logger.Warn("reaped dispatch loop of a process that stopped heartbeating", "job", r.ID, "holder", r.Holder)
 	}
-	if err := rows.Err(); err != nil {
-		return fmt.Errorf("reap dispatch loops: %w", err)
-	}
-	if reaped == 0 {
+	if len(reaped) == 0 {
 		return nil
 	}
 	return rt.EnsureLoops(ctx)
@@ -442,7 +430,7 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 			return fmt.Errorf("stop heartbeat and dead-letter publisher: %w", ctx.Err())
 		}
 	}
-	if _, err := rt.pool.Exec(context.WithoutCancel(ctx), schedsql.InstanceLeave, rt.client.ID()); err != nil {
+	if err := queries.InstanceLeave(context.WithoutCancel(ctx), rt.pool, queries.InstanceLeaveParams{ID: rt.client.ID()}); err != nil {
 		return fmt.Errorf("deregister instance: %w", err)
 	}
 	return nil
@@ -574,7 +562,7 @@ func (w *maintenanceWorker) Work(ctx context.Context, _ *river.Job[MaintenanceAr
 		w.rt.logger.Info("repaired throttled flags of key heads", "keys", repaired)
 	}
 	err = errors.Join(err, rerr)
-	if _, perr := w.rt.pool.Exec(ctx, schedsql.InstancePrune); perr != nil {
+	if perr := queries.InstancePrune(ctx, w.rt.pool); perr != nil {
 		err = errors.Join(err, fmt.Errorf("prune instances: %w", perr))
 	}
 	if retention := w.rt.cfg.HistoryRetention; retention > 0 {
@@ -601,12 +589,12 @@ const (
 func pruneHistory(ctx context.Context, pool *pgxpool.Pool, retention time.Duration, batch, maxBatches int) (int64, error) {
 	var total int64
 	for range maxBatches {
-		var n int64
-		if err := pool.QueryRow(ctx, schedsql.HistoryPrune, retention, batch).Scan(&n); err != nil {
+		row, err := queries.HistoryPrune(ctx, pool, queries.HistoryPruneParams{Retention: retention, Batch: batch})
+		if err != nil {
 			return total, fmt.Errorf("prune attempt history older than %v (%d rows pruned so far): %w", retention, total, err)
 		}
-		total += n
-		if n < int64(batch) {
+		total += row.Pruned
+		if row.Pruned < int64(batch) {
 			break
 		}
 	}

@@ -36,7 +36,7 @@ import (
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/internal/runner"
 	"github.com/deferq/scheduler/migrations"
-	schedsql "github.com/deferq/scheduler/sql"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // Service is one running scheduler: ingest, dispatch and the HTTP server.
@@ -469,7 +469,7 @@ func (s *Service) readiness(ctx context.Context) map[string]string {
 
 // refreshGauges keeps the gauges that cost a query fresh: every
 // METRICS_INTERVAL it reads the backlog (one statement, see
-// sql/metrics_backlog.sql) and evaluates readiness, so that scheduler_ready
+// sql/queries/metrics_backlog.sql) and evaluates readiness, so that scheduler_ready
 // is right even when nobody calls /readyz. Scrapes only read the results.
 func (s *Service) refreshGauges(ctx context.Context) {
 	t := time.NewTicker(s.cfg.MetricsInterval)
@@ -511,42 +511,27 @@ func (s *Service) refreshGauges(ctx context.Context) {
 // target label bounded.
 func (s *Service) backlog(ctx context.Context) (metrics.Backlog, error) {
 	b := metrics.Backlog{Messages: map[string]map[string]int64{}, Due: map[string]int64{}}
-	rows, err := s.pool.Query(ctx, schedsql.MetricsBacklog)
+	rows, err := queries.MetricsBacklog(ctx, s.pool)
 	if err != nil {
 		return b, fmt.Errorf("read backlog: %w", err)
 	}
-	defer rows.Close()
-	for rows.Next() {
-		var (
-			target, state         *string
-			n, due, held          int64
-			heldParked, dlqUnsent int64
-			oldestDueSecond       float64
-			oldestXactSec         float64
-		)
-		if err := rows.Scan(&target, &state, &n, &due, &oldestDueSecond, &held, &oldestXactSec,
-			&heldParked, &dlqUnsent); err != nil {
-			return b, fmt.Errorf("read backlog: %w", err)
-		}
-		b.OldestDue = time.Duration(oldestDueSecond * float64(time.Second))
-		b.HeldKeys = held
-		b.KeysHeldParked, b.DLQUnsent = heldParked, dlqUnsent
-		b.OldestTransaction = time.Duration(oldestXactSec * float64(time.Second))
-		if state == nil {
+	for _, r := range rows {
+		b.OldestDue = time.Duration(r.OldestDueSeconds * float64(time.Second))
+		b.HeldKeys = r.HeldKeys
+		b.KeysHeldParked, b.DLQUnsent = r.HeldParked, r.DLQUnsent
+		b.OldestTransaction = time.Duration(r.OldestXactSeconds * float64(time.Second))
+		if r.State == nil {
 			continue // no message at all
 		}
 		label := metrics.OtherTarget
-		if target != nil && protocol.ValidTopic(*target) && s.cfg.Targets().Allows(*target) {
-			label = s.metrics.Target(*target)
+		if r.Target != nil && protocol.ValidTopic(*r.Target) && s.cfg.Targets().Allows(*r.Target) {
+			label = s.metrics.Target(*r.Target)
 		}
 		if b.Messages[label] == nil {
 			b.Messages[label] = map[string]int64{}
 		}
-		b.Messages[label][*state] += n
-		b.Due[label] += due
-	}
-	if err := rows.Err(); err != nil {
-		return b, fmt.Errorf("read backlog: %w", err)
+		b.Messages[label][*r.State] += r.Messages
+		b.Due[label] += r.Due
 	}
 	return b, nil
 }

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/deferq/scheduler/internal/backoff"
@@ -928,20 +929,17 @@ func storeFailed(e Entry, err error) Entry {
 // retry, and the batch is retried whole.
 func poison(err error) bool {
 	var pg *pgconn.PgError
-	if !errors.As(err, &pg) || len(pg.Code) != 5 {
+	if !errors.As(err, &pg) {
 		return false
 	}
-	switch pg.Code[:2] {
-	case "22", "P0", "54":
+	switch c := pg.Code; {
+	case pgerrcode.IsDataException(c), pgerrcode.IsPLpgSQLError(c), pgerrcode.IsProgramLimitExceeded(c):
 		return true
-	case "23":
-		return pg.Code != uniqueViolation
+	case pgerrcode.IsIntegrityConstraintViolation(c):
+		return c != pgerrcode.UniqueViolation
 	}
 	return false
 }
-
-// uniqueViolation is SQLSTATE unique_violation.
-const uniqueViolation = "23505"
 
 // StoreError returns the error of the last attempt to store a batch if it
 // failed, nil once a batch is stored again: ingest is stuck meanwhile, and

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/deferq/scheduler/internal/pgtest"
@@ -19,15 +20,15 @@ func TestPoison(t *testing.T) {
 		err  error
 		want bool
 	}{
-		{&pgconn.PgError{Code: "P0001"}, true},                          // raise_exception
-		{&pgconn.PgError{Code: "22001"}, true},                          // string_data_right_truncation
-		{&pgconn.PgError{Code: "23514"}, true},                          // check_violation
-		{&pgconn.PgError{Code: "54000"}, true},                          // program_limit_exceeded
-		{fmt.Errorf("store: %w", &pgconn.PgError{Code: "22P02"}), true}, // wrapped
-		{&pgconn.PgError{Code: "23505"}, false},                         // unique_violation: a race, retried
-		{&pgconn.PgError{Code: "40001"}, false},                         // serialization_failure
-		{&pgconn.PgError{Code: "57P01"}, false},                         // admin_shutdown
-		{&pgconn.PgError{Code: "25006"}, false},                         // read_only_sql_transaction
+		{&pgconn.PgError{Code: pgerrcode.RaiseException}, true},
+		{&pgconn.PgError{Code: pgerrcode.StringDataRightTruncationDataException}, true},
+		{&pgconn.PgError{Code: pgerrcode.CheckViolation}, true},
+		{&pgconn.PgError{Code: pgerrcode.ProgramLimitExceeded}, true},
+		{fmt.Errorf("store: %w", &pgconn.PgError{Code: pgerrcode.InvalidTextRepresentation}), true}, // wrapped
+		{&pgconn.PgError{Code: pgerrcode.UniqueViolation}, false},                                   // a race, retried
+		{&pgconn.PgError{Code: pgerrcode.SerializationFailure}, false},
+		{&pgconn.PgError{Code: pgerrcode.AdminShutdown}, false},
+		{&pgconn.PgError{Code: pgerrcode.ReadOnlySQLTransaction}, false},
 		{errors.New("dial tcp: connection refused"), false},
 		{context.DeadlineExceeded, false},
 	} {

@@ -61,7 +61,7 @@ WITH counts AS (
            (SELECT count(*) FROM deferred_message
             WHERE state = 'parked' AND dlq_topic IS NOT NULL AND dlq_published_at IS NULL) AS dlq_unsent
 )
-SELECT c.target_topic, c.state, coalesce(c.messages, 0), coalesce(c.due, 0), k.oldest_due, k.held_keys, k.oldest_xact,
+SELECT c.target_topic, c.state, coalesce(c.messages, 0) AS messages, coalesce(c.due, 0) AS due, k.oldest_due, k.held_keys, k.oldest_xact,
        k.held_parked, k.dlq_unsent
 FROM keys k
 LEFT JOIN counts c ON true

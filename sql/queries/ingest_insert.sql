@@ -77,6 +77,7 @@ ORDER BY r.record
 ON CONFLICT (source_topic, source_partition, source_epoch, source_offset) DO NOTHING
 RETURNING id, seq, state
 )
-SELECT EXISTS (SELECT FROM position), count(*), count(*) FILTER (WHERE state = 'rejected'),
-       count(*) FILTER (WHERE state = 'parked'), max(id), max(seq)
+SELECT EXISTS (SELECT FROM position) AS matched, count(*) AS stored,
+       count(*) FILTER (WHERE state = 'rejected') AS rejected,
+       count(*) FILTER (WHERE state = 'parked') AS parked, max(id) AS max_id, max(seq) AS max_seq
 FROM inserted

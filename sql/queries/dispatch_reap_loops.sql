@@ -24,4 +24,5 @@ WHERE j.kind = $1 AND j.state = 'running'
        OR (j.attempted_by[cardinality(j.attempted_by)] = $3::text
            AND j.attempted_at < now() - $4::interval
            AND j.id <> ALL ($5::bigint[])))
-RETURNING j.id, j.attempted_by[cardinality(j.attempted_by)], j.attempted_by[cardinality(j.attempted_by)] = $3::text
+RETURNING j.id, j.attempted_by[cardinality(j.attempted_by)] AS holder,
+          j.attempted_by[cardinality(j.attempted_by)] = $3::text AS ours

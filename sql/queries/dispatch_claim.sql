@@ -115,16 +115,16 @@ WITH due AS MATERIALIZED (
 -- Past the budget, a key's first row stays, emptied, so that the key comes
 -- back (nth is NULL on the row of a key with no message at all).
 SELECT r.business_key, r.head_id,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.id END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.seq END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.target_topic END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.next_run_at END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.attempt END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.redrive_count END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.key END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.value END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.header_keys END,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END
+       CASE WHEN r.bytes_before < $5::bigint THEN r.id END AS id,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.seq END AS seq,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.target_topic END AS target_topic,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.next_run_at END AS next_run_at,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.attempt END AS attempt,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.redrive_count END AS redrive_count,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.key END AS key,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.value END AS value,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_keys END AS header_keys,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END AS header_values
 FROM run r
 WHERE r.bytes_before < $5::bigint OR coalesce(r.nth, 1) = 1
 ORDER BY r.business_key, r.head_id, r.seq, r.id

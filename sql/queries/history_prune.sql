@@ -16,4 +16,4 @@ WITH old AS (
     WHERE a.id = old.id
     RETURNING 1
 )
-SELECT count(*) FROM gone
+SELECT count(*) AS pruned FROM gone

@@ -6,4 +6,4 @@
 -- until this flags it. Returns how many flags changed. It reads all of
 -- deferred_key, which is why periodic maintenance runs it, never a poll. No
 -- parameters.
-SELECT deferred_key_throttle_sweep()
+SELECT deferred_key_throttle_sweep() AS changed

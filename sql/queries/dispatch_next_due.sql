@@ -19,7 +19,7 @@
 -- Keys held by a parked message have next_run_at = 'infinity': they are
 -- never due, and the range stops before them (and 'infinity' minus a time
 -- is an error before Postgres 16, +Inf after).
-SELECT greatest(extract(epoch FROM min(next_run_at) - clock_timestamp()), 0)::float8
+SELECT greatest(extract(epoch FROM min(next_run_at) - clock_timestamp()), 0)::float8 AS seconds
 FROM (
     (SELECT k.next_run_at
      FROM deferred_key k

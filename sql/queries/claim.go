@@ -1,0 +1,224 @@
+package queries
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DispatchClaimParams are dispatch_claim.sql's parameters.
+type DispatchClaimParams struct {
+	MaxKeys  int           // $1: keys to lease at most
+	Lease    time.Duration // $2: how long the lease holds
+	PerKey   int           // $3: messages read per key at most
+	Owner    string        // $4: leased_by
+	MaxBytes int64         // $5: the claim's byte budget, at least 1
+}
+
+func (p DispatchClaimParams) args() []any {
+	return []any{p.MaxKeys, p.Lease, p.PerKey, p.Owner, p.MaxBytes}
+}
+
+// DispatchClaimTargetParams are dispatch_claim_target.sql's: the main
+// claim's, for the heads of one rate-limited target.
+type DispatchClaimTargetParams struct {
+	DispatchClaimParams        // $1..$5
+	Target              string // $6
+}
+
+func (p DispatchClaimTargetParams) args() []any {
+	return append(p.DispatchClaimParams.args(), p.Target)
+}
+
+// DispatchClaimRow is one message a claim read, or, with ID nil, a leased
+// key for which none came back (to be released).
+type DispatchClaimRow struct {
+	BusinessKey  *string    `db:"business_key"` // nil: an unordered head
+	HeadID       int64      `db:"head_id"`
+	ID           *int64     `db:"id"`
+	Seq          *int64     `db:"seq"`
+	Target       *string    `db:"target_topic"`
+	NextRunAt    *time.Time `db:"next_run_at"`
+	Attempt      *int32     `db:"attempt"`
+	RedriveCount *int32     `db:"redrive_count"`
+	Key          []byte     `db:"key"`
+	Value        []byte     `db:"value"`
+	HeaderKeys   []string   `db:"header_keys"`
+	HeaderValues [][]byte   `db:"header_values"`
+}
+
+func (r *DispatchClaimRow) dest() []any {
+	return []any{&r.BusinessKey, &r.HeadID, &r.ID, &r.Seq, &r.Target, &r.NextRunAt, &r.Attempt, &r.RedriveCount,
+		&r.Key, &r.Value, &r.HeaderKeys, &r.HeaderValues}
+}
+
+// DispatchClaim leases due heads and reads their runs (dispatch_claim.sql).
+func DispatchClaim(ctx context.Context, db DBTX, p DispatchClaimParams) ([]DispatchClaimRow, error) {
+	return collect(ctx, db, dispatchClaimSQL, p.args(), (*DispatchClaimRow).dest)
+}
+
+// DispatchClaimTarget leases due heads of one rate-limited target
+// (dispatch_claim_target.sql).
+func DispatchClaimTarget(ctx context.Context, db DBTX, p DispatchClaimTargetParams) ([]DispatchClaimRow, error) {
+	return collect(ctx, db, dispatchClaimTargetSQL, p.args(), (*DispatchClaimRow).dest)
+}
+
+// The finalize statements run in one pipelined implicit transaction (one
+// round trip): each has a Queue function that adds it to a *pgx.Batch, and
+// a function that runs it alone (tests run them in a transaction of their
+// own).
+
+// DispatchLockMessagesParams are dispatch_lock_messages.sql's parameters.
+type DispatchLockMessagesParams struct {
+	IDs []int64 // $1: the messages finalize changes
+}
+
+func (p DispatchLockMessagesParams) args() []any { return []any{p.IDs} }
+
+// QueueDispatchLockMessages adds dispatch_lock_messages.sql to b.
+func QueueDispatchLockMessages(b *pgx.Batch, p DispatchLockMessagesParams) {
+	b.Queue(dispatchLockMessagesSQL, p.args()...)
+}
+
+// DispatchLockMessages runs dispatch_lock_messages.sql.
+func DispatchLockMessages(ctx context.Context, db DBTX, p DispatchLockMessagesParams) error {
+	_, err := db.Exec(ctx, dispatchLockMessagesSQL, p.args()...)
+	return err
+}
+
+// DispatchLockKeysParams are dispatch_lock_keys.sql's parameters.
+type DispatchLockKeysParams struct {
+	Keys []string // $1: the business keys finalize releases
+}
+
+func (p DispatchLockKeysParams) args() []any { return []any{p.Keys} }
+
+// QueueDispatchLockKeys adds dispatch_lock_keys.sql to b.
+func QueueDispatchLockKeys(b *pgx.Batch, p DispatchLockKeysParams) {
+	b.Queue(dispatchLockKeysSQL, p.args()...)
+}
+
+// DispatchLockKeys runs dispatch_lock_keys.sql.
+func DispatchLockKeys(ctx context.Context, db DBTX, p DispatchLockKeysParams) error {
+	_, err := db.Exec(ctx, dispatchLockKeysSQL, p.args()...)
+	return err
+}
+
+// DispatchDeleteParams are dispatch_delete.sql's parameters.
+type DispatchDeleteParams struct {
+	IDs []int64 // $1: the messages the broker acknowledged
+}
+
+func (p DispatchDeleteParams) args() []any { return []any{p.IDs} }
+
+// QueueDispatchDelete adds dispatch_delete.sql to b.
+func QueueDispatchDelete(b *pgx.Batch, p DispatchDeleteParams) {
+	b.Queue(dispatchDeleteSQL, p.args()...)
+}
+
+// DispatchDelete runs dispatch_delete.sql.
+func DispatchDelete(ctx context.Context, db DBTX, p DispatchDeleteParams) error {
+	_, err := db.Exec(ctx, dispatchDeleteSQL, p.args()...)
+	return err
+}
+
+// DispatchParkParams are dispatch_park.sql's parameters.
+type DispatchParkParams struct {
+	IDs     []int64  // $1
+	Reasons []string // $2, one per id
+}
+
+func (p DispatchParkParams) args() []any { return []any{p.IDs, p.Reasons} }
+
+// QueueDispatchPark adds dispatch_park.sql to b.
+func QueueDispatchPark(b *pgx.Batch, p DispatchParkParams) { b.Queue(dispatchParkSQL, p.args()...) }
+
+// DispatchPark runs dispatch_park.sql.
+func DispatchPark(ctx context.Context, db DBTX, p DispatchParkParams) error {
+	_, err := db.Exec(ctx, dispatchParkSQL, p.args()...)
+	return err
+}
+
+// DispatchReleaseParams are dispatch_release.sql's parameters.
+type DispatchReleaseParams struct {
+	Keys        []string      // $1: business keys to release
+	Heads       []int64       // $2: unordered heads to release
+	Owner       string        // $3: only leases this owner holds
+	RetryKeys   []string      // $4: keys that back off instead
+	RetryHeads  []int64       // $5: unordered heads that back off
+	BackoffBase time.Duration // $6
+	BackoffMax  time.Duration // $7
+}
+
+func (p DispatchReleaseParams) args() []any {
+	return []any{p.Keys, p.Heads, p.Owner, p.RetryKeys, p.RetryHeads, p.BackoffBase, p.BackoffMax}
+}
+
+// QueueDispatchRelease adds dispatch_release.sql to b.
+func QueueDispatchRelease(b *pgx.Batch, p DispatchReleaseParams) {
+	b.Queue(dispatchReleaseSQL, p.args()...)
+}
+
+// DispatchRelease runs dispatch_release.sql.
+func DispatchRelease(ctx context.Context, db DBTX, p DispatchReleaseParams) error {
+	_, err := db.Exec(ctx, dispatchReleaseSQL, p.args()...)
+	return err
+}
+
+// DispatchNextDueRow is how many seconds until the earliest head nobody
+// holds is due (0 if due now).
+type DispatchNextDueRow struct {
+	Seconds float64 `db:"seconds"`
+}
+
+func (r *DispatchNextDueRow) dest() []any { return []any{&r.Seconds} }
+
+// DispatchNextDue reads the next due time (dispatch_next_due.sql); found is
+// false when no head is waiting.
+func DispatchNextDue(ctx context.Context, db DBTX) (row DispatchNextDueRow, found bool, err error) {
+	row, err = one(ctx, db, dispatchNextDueSQL, NoParams{}.args(), (*DispatchNextDueRow).dest)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return row, false, nil
+	}
+	return row, err == nil, err
+}
+
+// DispatchThrottleSweepRow counts the throttled flags the sweep changed.
+type DispatchThrottleSweepRow struct {
+	Changed int64 `db:"changed"`
+}
+
+func (r *DispatchThrottleSweepRow) dest() []any { return []any{&r.Changed} }
+
+// DispatchThrottleSweep repairs throttled flags (dispatch_throttle_sweep.sql).
+func DispatchThrottleSweep(ctx context.Context, db DBTX) (DispatchThrottleSweepRow, error) {
+	return one(ctx, db, dispatchThrottleSweepSQL, NoParams{}.args(), (*DispatchThrottleSweepRow).dest)
+}
+
+// LeaseSweep clears expired leases (lease_sweep.sql) and returns how many.
+func LeaseSweep(ctx context.Context, db DBTX) (int64, error) {
+	tag, err := db.Exec(ctx, leaseSweepSQL)
+	return tag.RowsAffected(), err
+}
+
+// QueueAnalyzeParams are queue_analyze.sql's parameters.
+type QueueAnalyzeParams struct {
+	MinRows int64 // $1: tables smaller than this are left alone
+}
+
+func (p QueueAnalyzeParams) args() []any { return []any{p.MinRows} }
+
+// QueueAnalyzeRow names the tables analyzed.
+type QueueAnalyzeRow struct {
+	Analyzed []string `db:"analyzed"`
+}
+
+func (r *QueueAnalyzeRow) dest() []any { return []any{&r.Analyzed} }
+
+// QueueAnalyze analyzes queue tables with stale statistics
+// (queue_analyze.sql).
+func QueueAnalyze(ctx context.Context, db DBTX, p QueueAnalyzeParams) (QueueAnalyzeRow, error) {
+	return one(ctx, db, queueAnalyzeSQL, p.args(), (*QueueAnalyzeRow).dest)
+}
