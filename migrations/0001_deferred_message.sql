@@ -1,4 +1,4 @@
--- The deferred-message store (DESIGN.md section 3) and its per-key heads
+-- The deferred-message store (docs/design.md section 3) and its per-key heads
 -- (section 4). Operators edit deferred_message with plain SQL; deferred_key is
 -- derived state that the triggers below keep true for every statement, the
 -- service's own and an operator's alike.

@@ -60,7 +60,7 @@ CREATE INDEX deferred_message_dlq_unsent
 -- throttled: the head waits for its target's pause or rate limit
 -- (target_control), not for its due time. Such heads live in their own
 -- index, by target, so that a paused or rate-limited target's backlog costs
--- the main claim and the next-due read nothing (DESIGN.md section 4: blocked
+-- the main claim and the next-due read nothing (docs/design.md section 4.3: blocked
 -- backlog is never rescanned), and a rate-limited target's claim reads only
 -- its own heads. A held head is never throttled: it waits for an operator,
 -- and stays at the 'infinity' end of deferred_key_due. Kept by the head

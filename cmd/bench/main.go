@@ -7,7 +7,7 @@
 //     shapes, with and without a backlog of far-future rows, dispatch
 //     lateness at a fixed offered load, and the process's memory, also
 //     with a backlog of records near Kafka's 1 MB limit;
-//   - the database ceiling: the service's own SQL (deferral.Store.Insert,
+//   - the database ceiling: the service's own SQL (ingest.Store.Insert,
 //     keylock.Locker Claim and Finalize) with no Kafka at all;
 //   - the broker ceiling: sarama producing the same records to the same
 //     broker;

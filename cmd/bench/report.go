@@ -379,7 +379,7 @@ func (r *results) write(w io.Writer) {
 	fmt.Fprintln(w, "ingest is timed from 10% to 100% of a backlog produced before the service starts (its CPU columns include the")
 	fmt.Fprintln(w, "service's start-up); dispatch from one SQL UPDATE making N stored rows due to the last arrival; end to end from")
 	fmt.Fprintln(w, "the first produce of N due-now records to the last arrival. Arrivals are counted from the target's high-water marks.")
-	fmt.Fprintln(w, "DB ceiling: deferral.Store.Insert (4 writers, batches of 1,000) and keylock.Locker Claim/Finalize (4 loops), no Kafka.")
+	fmt.Fprintln(w, "DB ceiling: ingest.Store.Insert (4 writers, batches of 1,000) and keylock.Locker Claim/Finalize (4 loops), no Kafka.")
 	fmt.Fprintf(w, "River: one job per message (InsertManyFast per consumed batch, %d workers, FetchCooldown %v, FetchPollInterval %v);\n",
 		riverWorkers, riverFetchCool, riverFetchPoll)
 	fmt.Fprintf(w, "its worker publishes with the service's producer settings; %s of its end-to-end messages left out of per-key order.\n",

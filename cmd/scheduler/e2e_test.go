@@ -319,7 +319,7 @@ func TestTwoInstancesKeepPerKeyOrder(t *testing.T) {
 	b.stop()
 }
 
-// The operator statements of DESIGN.md section 3 take effect without a
+// The operator statements of docs/design.md section 3.6 take effect without a
 // restart, and a re-deferral carrying defer.seq returns to the head of its key.
 func TestOperatorSQLAndRedeferral(t *testing.T) {
 	brokers := broker(t)

@@ -84,7 +84,7 @@ func TestConfigDefaults(t *testing.T) {
 	if cfg.KafkaBrokers != nil {
 		t.Errorf("KAFKA_BROKERS default %q, want none", cfg.KafkaBrokers)
 	}
-	// TARGET_TOPICS empty allows no topic at all (DESIGN.md section 6).
+	// TARGET_TOPICS empty allows no topic at all (docs/design.md section 2.4).
 	for _, topic := range []string{"payments.retry", "scheduler.defer", ""} {
 		if cfg.targets.Allows(topic) {
 			t.Errorf("default TARGET_TOPICS allows %q", topic)

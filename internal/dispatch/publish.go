@@ -104,7 +104,7 @@ func redriveEdit(n int32) headerEdit {
 	return headerEdit{name: protocol.HeaderRedriveCount, value: []byte(strconv.FormatInt(int64(n), 10)), mode: set}
 }
 
-// Record builds the republished record for m (DESIGN.md section 2): same key,
+// Record builds the republished record for m (docs/design.md section 2.2): same key,
 // value and headers in the same order, except that defer.at and defer.delay
 // are removed (they are one-shot), and so is defer.signature (it covers
 // headers removed or rewritten here, so it could not verify; defer.source

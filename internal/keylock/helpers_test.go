@@ -54,7 +54,7 @@ func newLockerBackoff(t testing.TB, pool *pgxpool.Pool, owner string, lease time
 }
 
 // headsDiffSQL compares deferred_key with a brute-force recomputation of the
-// heads from deferred_message (DESIGN.md section 4, migration 0002): per
+// heads from deferred_message (docs/design.md section 4.1, migration 0002): per
 // business key, the message with the lowest (seq, id) among those pending or
 // parked with park_holds_key; if that message is parked the key is held
 // (held = true, next_run_at 'infinity'). Every pending unordered message is a

@@ -146,7 +146,7 @@ func mustEqual[T comparable](t testing.TB, what string, got, want T) {
 
 // TestThrottledBacklogNotRead: a paused target with a large due backlog, and
 // a rate-limited one, cost nothing to the statements every dispatch round
-// runs (DESIGN.md section 4: blocked backlog is never rescanned). The main
+// runs (docs/design.md section 4.3: blocked backlog is never rescanned). The main
 // claim and the next-due read walk only heads that can go; a limited
 // target's claim and token checks read only that target's heads; the
 // backlog gauge finds the oldest due head in a few index entries. Measured

@@ -7,7 +7,7 @@
 -- not leased, so they stay claimable). The
 -- lease runs until now() + $2 (interval), which must outlast the longest
 -- publish. It commits with this statement: the caller publishes with no
--- transaction open (DESIGN.md section 4), then marks what the broker
+-- transaction open (docs/design.md section 4.5), then marks what the broker
 -- acknowledged (dlq_mark_published.sql) and backs off what failed
 -- (dlq_back_off.sql), each in a short statement of its own. Holding no row
 -- lock across the publish keeps vacuum going and lets an operator replay or
@@ -17,10 +17,12 @@
 --
 -- Returns what the copy carries: the record and the failure context, and
 -- parked_at, which names this stay in the parking lot: the mark and the
--- back-off apply only while it is unchanged. A row inserted already parked
--- (ingest parks exhausted messages) has no parked_at (the touch trigger
--- sets it on UPDATE only): it was parked when it was last written, and its
--- parked_at is set to that now, before this very statement moves updated_at.
+-- back-off apply only while it is unchanged. Ingest sets parked_at on the
+-- rows it parks (ingest_insert.sql) and the touch trigger on every UPDATE
+-- that parks; a row inserted parked by other means (plain SQL, or a
+-- version before ingest set it) has none: it was parked when it was last
+-- written, and its parked_at is set to that now, before this very
+-- statement moves updated_at.
 WITH picked AS MATERIALIZED (
     SELECT id
     FROM deferred_message
