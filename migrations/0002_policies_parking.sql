@@ -534,7 +534,7 @@ CREATE TRIGGER target_control_truncate AFTER TRUNCATE ON target_control
 -- "Throttled heads under concurrency" above), returning how many it changed.
 -- It flags heads only as a head writer does (shared lock, then a fresh
 -- read), so it cannot race an un-throttling into a stale flag. Maintenance
--- runs it (sql/dispatch_throttle_sweep.sql); it reads all of deferred_key.
+-- runs it (sql/queries/dispatch_throttle_sweep.sql); it reads all of deferred_key.
 CREATE FUNCTION deferred_key_throttle_sweep() RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE

@@ -9,7 +9,7 @@
 --   long as ingest starts from the stored position even when the consumer
 --   group's committed offset is ahead, and notices the move while running:
 --   every batch insert now checks that the position is still where its
---   writer left it (sql/ingest_insert.sql).
+--   writer left it (sql/queries/ingest_insert.sql).
 -- * Kafka goes back (the topic deleted and created again, a partition
 --   truncated): offsets are reused, so a new record would take an old one's
 --   source coordinates and be skipped as stored. The partition's epoch,

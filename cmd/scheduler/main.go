@@ -48,7 +48,10 @@ the README and the SQL runbook in sql/runbook):
   ls        list messages, filtered by target, state, key or reason
   show      one message: its row, key, headers, value, lineage and history
   held      business keys that cannot move: held by a parked message,
-            backing off after failed publishes, or leased
+            backing off after failed publishes, in flight, or leased
+  inflight  keys republished and waiting for their consumer group's commit
+  release   let a consumer group's in-flight keys go (a group that stopped
+            committing)
   expedite  make pending messages due now, by id, business key or target
   cancel    delete messages by id
   park      park pending messages by id, with a reason

@@ -159,6 +159,7 @@ func deferRecord(key, value string, headers ...string) *sarama.ProducerMessage {
 // delivery is one record read from the target topic.
 type delivery struct {
 	partition int32
+	offset    int64
 	key       string
 	value     string
 	id        string
@@ -196,7 +197,7 @@ func read(t *testing.T, brokers, topic string) *reader {
 		pcs = append(pcs, pc)
 		wg.Go(func() {
 			for m := range pc.Messages() {
-				d := delivery{partition: m.Partition, key: string(m.Key), value: string(m.Value), at: time.Now(), headers: map[string]string{}}
+				d := delivery{partition: m.Partition, offset: m.Offset, key: string(m.Key), value: string(m.Value), at: time.Now(), headers: map[string]string{}}
 				for _, h := range m.Headers {
 					d.headers[string(h.Key)] = string(h.Value)
 				}

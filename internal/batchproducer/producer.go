@@ -35,6 +35,12 @@ import (
 	"github.com/IBM/sarama"
 )
 
+// PartitionKey, as a message's Metadata, chooses its partition in place of
+// its record key: the partition Java-compatible murmur2 gives these bytes.
+// The record key is sent unchanged. Dispatch uses it to send every message
+// of a business key to one partition whatever their record keys.
+type PartitionKey []byte
+
 // ErrNotSent is the error of a message that was not sent because an earlier
 // message of its partition failed in the same call. It is retriable: the
 // message itself was never refused.
@@ -268,7 +274,15 @@ func (p *Producer) partition(msgs []*sarama.ProducerMessage, errs *sarama.Produc
 			continue
 		}
 		id := ti.sticky
-		if m.Key != nil {
+		if pk, ok := m.Metadata.(PartitionKey); ok {
+			// Hashed as a record key would be: the same partition a Java
+			// producer picks for a record whose key is these bytes.
+			var err error
+			if id, err = ti.hash.Partition(&sarama.ProducerMessage{Key: sarama.ByteEncoder(pk)}, ti.n); err != nil {
+				*errs = append(*errs, &sarama.ProducerError{Msg: m, Err: err})
+				continue
+			}
+		} else if m.Key != nil {
 			var err error
 			if id, err = ti.hash.Partition(m, ti.n); err != nil {
 				*errs = append(*errs, &sarama.ProducerError{Msg: m, Err: err})

@@ -18,7 +18,6 @@
 package dispatch
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -375,7 +374,9 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 					d.logger.Warn("message published after an earlier one of its key failed",
 						"id", m.ID, "target", m.Target)
 				}
+				r := records[b.first+j]
 				out.Published = append(out.Published, m.ID)
+				out.Placements = append(out.Placements, keylock.Placement{Partition: r.Partition, Offset: r.Offset})
 				published[m.Target]++
 				mx.ObserveLateness(acked.Sub(m.NextRunAt))
 				continue
@@ -504,19 +505,15 @@ func (d *Dispatcher) refuse(target string) string {
 	return ""
 }
 
-// run returns the leading messages of a claim that go to the same topic with
-// the same record key, hence to the same partition, where the producer keeps
-// their order: it never acknowledges one after an earlier one failed (see
-// Producer). Messages after a change of
-// destination wait for the next round, after these are acknowledged.
+// run returns the leading messages of a claim that go to the same topic,
+// hence to the same partition: the one of their business key, whatever
+// their record keys (see Record), where the producer keeps their order: it
+// never acknowledges one after an earlier one failed (see Producer).
+// Messages after a change of target wait for the next round, after these
+// are acknowledged. An unordered claim holds one message.
 func run(msgs []keylock.Message) []keylock.Message {
-	if len(msgs) > 0 && msgs[0].Key == nil {
-		// Without a record key the partitioner picks a partition at random
-		// per record, so nothing orders two of them: send one at a time.
-		return msgs[:1]
-	}
 	for i := 1; i < len(msgs); i++ {
-		if msgs[i].Target != msgs[0].Target || msgs[i].Key == nil || !bytes.Equal(msgs[i].Key, msgs[0].Key) {
+		if msgs[i].Target != msgs[0].Target {
 			return msgs[:i]
 		}
 	}

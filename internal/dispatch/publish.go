@@ -10,6 +10,7 @@ import (
 
 	"github.com/IBM/sarama"
 
+	"github.com/deferq/scheduler/internal/batchproducer"
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/keylock"
 )
@@ -114,12 +115,22 @@ func redriveEdit(n int32) headerEdit {
 // dropped), defer.redrive-count likewise when the message was replayed out
 // of the parking lot (and removed when it was not), and defer.target is set
 // to the row's target, which differs from the header only after an
-// operator edited it.
+// operator edited it. defer.gated is removed too: it described the
+// deferral, not the record.
+//
+// A message of a business key goes to the partition of its target that
+// Java-compatible murmur2 gives the business key's UTF-8 bytes, whatever
+// its record key (which is sent byte for byte), so that every message of a
+// key lands on one partition and its consumer sees them in order. Where the
+// business key is the record key (no defer.key), that is the partition a
+// Java producer would pick for the record. An unordered message goes by its
+// record key, as before.
 func Record(m keylock.Message) *sarama.ProducerMessage {
 	headers := rewriteHeaders(m.Headers, []headerEdit{
 		{name: protocol.HeaderAt, mode: drop},
 		{name: protocol.HeaderDelay, mode: drop},
 		{name: protocol.HeaderSignature, mode: drop},
+		{name: protocol.HeaderGated, mode: drop},
 		{name: protocol.HeaderTarget, value: []byte(m.Target), mode: replace},
 		{name: protocol.HeaderID, value: []byte(strconv.FormatInt(m.ID, 10))},
 		{name: protocol.HeaderSeq, value: []byte(strconv.FormatInt(m.Seq, 10))},
@@ -127,7 +138,11 @@ func Record(m keylock.Message) *sarama.ProducerMessage {
 		{name: protocol.HeaderScheduledAt, value: []byte(m.NextRunAt.UTC().Format(time.RFC3339Nano))},
 		redriveEdit(m.RedriveCount),
 	})
-	return record(m.Target, m.Key, m.Value, headers)
+	pm := record(m.Target, m.Key, m.Value, headers)
+	if m.BusinessKey != "" {
+		pm.Metadata = batchproducer.PartitionKey(m.BusinessKey)
+	}
+	return pm
 }
 
 // record assembles a producer message. A nil key must stay nil (no key,

@@ -57,8 +57,10 @@ func newLockerBackoff(t testing.TB, pool *pgxpool.Pool, owner string, lease time
 // heads from deferred_message (docs/design.md section 4.1, migration 0002): per
 // business key, the message with the lowest (seq, id) among those pending or
 // parked with park_holds_key; if that message is parked the key is held
-// (held = true, next_run_at 'infinity'). Every pending unordered message is a
-// head of its own; unordered parked messages hold nothing. A head that is not
+// (held = true, next_run_at 'infinity'); a key without such a message has
+// no row, unless a dispatcher leased it before its last message went (an
+// emptied row, see deferred_key_refresh.sql). Every pending unordered
+// message is a head of its own; unordered parked messages hold nothing. A head that is not
 // held is throttled when target_control pauses or rate-limits its target.
 // Each returned row is one difference; none means they agree exactly,
 // duplicates included.
@@ -78,6 +80,15 @@ WITH throttling AS (
            target_topic IN (SELECT target_topic FROM throttling)
     FROM deferred_message
     WHERE state = 'pending' AND business_key IS NULL
+    UNION ALL
+    -- An emptied key: its last message went while a dispatcher held its
+    -- lease, which the row keeps until the holder releases it.
+    SELECT k.business_key, 0, 9223372036854775807, 'infinity', NULL, false, false
+    FROM deferred_key k
+    WHERE k.head_id = 0 AND k.leased_by IS NOT NULL AND k.business_key IS NOT NULL
+      AND NOT EXISTS (SELECT FROM deferred_message m
+                      WHERE m.business_key = k.business_key
+                        AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key)))
 ), actual AS (
     SELECT business_key, head_id, head_seq, next_run_at, head_target, held, throttled FROM deferred_key
 ), diff AS (
@@ -179,15 +190,18 @@ func claimSummary(t testing.TB, claims []keylock.Claim) []string {
 // leaseRow is the lease on one business key's row of deferred_key.
 type leaseRow struct {
 	By    *string
-	Until *time.Time
-	Found bool
+	Until *time.Time // nil for none, and for 'infinity' (Forever)
+	// Forever: leased until 'infinity', as a key in flight is.
+	Forever bool
+	Found   bool
 }
 
 func leaseOf(t testing.TB, q querier, key string) leaseRow {
 	t.Helper()
 	var l leaseRow
-	err := q.QueryRow(t.Context(), `SELECT leased_by, leased_until FROM deferred_key WHERE business_key = $1`, key).
-		Scan(&l.By, &l.Until)
+	err := q.QueryRow(t.Context(), `SELECT leased_by, CASE WHEN leased_until < 'infinity' THEN leased_until END,
+		coalesce(leased_until = 'infinity', false) FROM deferred_key WHERE business_key = $1`, key).
+		Scan(&l.By, &l.Until, &l.Forever)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return l
 	}
@@ -208,6 +222,9 @@ func (l leaseRow) String() string {
 	}
 	if l.Until != nil {
 		until = l.Until.Format(time.RFC3339Nano)
+	}
+	if l.Forever {
+		until = "infinity"
 	}
 	return "leased_by=" + by + " leased_until=" + until
 }

@@ -52,6 +52,12 @@ type Message struct {
 	Key          []byte // nil: the record had no key
 	Value        []byte // nil: a tombstone
 	Headers      []Header
+	// BusinessKey is the key's business key, "" for an unordered message.
+	BusinessKey string
+	// Group is the consumer group the record named (defer.group), "" for
+	// none: once published, the key stays blocked for the group until it
+	// committed past the record (Outcome.Placements).
+	Group string
 }
 
 // Claim is one leased key with its due messages in order.
@@ -60,6 +66,12 @@ type Claim struct {
 	Ordered     bool
 	HeadID      int64 // the head when claimed; identifies an unordered head
 	Messages    []Message
+}
+
+// Placement is where the broker put a published record.
+type Placement struct {
+	Partition int32
+	Offset    int64
 }
 
 // Park is a message to move to the parking lot.
@@ -71,7 +83,11 @@ type Park struct {
 // Outcome is what happened to the messages of a set of claims.
 type Outcome struct {
 	Published []int64 // acknowledged by the broker
-	Parked    []Park  // refused for good
+	// Placements says where each of Published went in its target, in the
+	// same order: recorded in its history and, for a message that names a
+	// consumer group, in deferred_inflight. Nil when unknown (tests).
+	Placements []Placement
+	Parked     []Park // refused for good
 	// Retry lists claims that hit a retriable error: their keys stay blocked
 	// for a back-off that grows with each consecutive failure of the key,
 	// then any holder may take them again.
@@ -224,7 +240,11 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only 
 			claims = append(claims, c)
 		}
 		m := Message{ID: *r.ID, Seq: *r.Seq, Target: *r.Target, NextRunAt: *r.NextRunAt, Attempt: *r.Attempt,
-			RedriveCount: *r.RedriveCount, Key: r.Key, Value: r.Value, Headers: make([]Header, len(r.HeaderKeys))}
+			RedriveCount: *r.RedriveCount, Key: r.Key, Value: r.Value, Headers: make([]Header, len(r.HeaderKeys)),
+			BusinessKey: c.BusinessKey}
+		if r.Group != nil {
+			m.Group = *r.Group
+		}
 		for j := range r.HeaderKeys {
 			m.Headers[j] = Header{Key: r.HeaderKeys[j], Value: r.HeaderValues[j]}
 		}
@@ -276,22 +296,39 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	}
 
 	// Locks first, messages before keys, each in order (see
-	// dispatch_lock_messages.sql); then the changes.
+	// dispatch_lock_messages.sql). Then the keys are released, before the
+	// changes: the transaction still holds their rows locked, so no one
+	// else can claim them until it commits, and the head triggers the
+	// changes fire see keys no one leases, and delete the rows of keys left
+	// without messages at once. (Released after, such a key's row would
+	// first be emptied, since its lease is still held: see
+	// sql/schema/functions/deferred_key_refresh.sql.) A key emptied by an
+	// operator while leased here is deleted first, unless a message arrived
+	// in it meanwhile.
 	b := &pgx.Batch{}
 	if changed := append(append([]int64(nil), out.Published...), parkIDs...); len(changed) > 0 {
 		queries.QueueDispatchLockMessages(b, queries.DispatchLockMessagesParams{IDs: changed})
 	}
 	if len(keys) > 0 {
 		queries.QueueDispatchLockKeys(b, queries.DispatchLockKeysParams{Keys: keys})
+		queries.QueueDispatchReleaseEmpty(b, queries.DispatchReleaseEmptyParams{Keys: keys, Owner: l.cfg.Owner})
 	}
+	queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Heads: heads, Owner: l.cfg.Owner,
+		RetryKeys: retryKeys, RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
 	if len(out.Published) > 0 {
-		queries.QueueDispatchDelete(b, queries.DispatchDeleteParams{IDs: out.Published})
+		p := queries.DispatchDeleteParams{IDs: out.Published}
+		if len(out.Placements) == len(out.Published) {
+			p.Partitions = make([]int32, len(out.Placements))
+			p.Offsets = make([]int64, len(out.Placements))
+			for i, pl := range out.Placements {
+				p.Partitions[i], p.Offsets[i] = pl.Partition, pl.Offset
+			}
+		}
+		queries.QueueDispatchDelete(b, p)
 	}
 	if len(parkIDs) > 0 {
 		queries.QueueDispatchPark(b, queries.DispatchParkParams{IDs: parkIDs, Reasons: parkReasons})
 	}
-	queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Heads: heads, Owner: l.cfg.Owner,
-		RetryKeys: retryKeys, RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
 	if err := l.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("finalize %d keys (%d published, %d parked): %w",
 			len(claims), len(out.Published), len(parkIDs), err)

@@ -69,6 +69,16 @@ type Metrics struct {
 	dlqPublished     prometheus.Counter
 	dlqPublishErrors *prometheus.CounterVec
 
+	ingestGated      prometheus.Counter
+	ingestMisrouted  prometheus.Counter
+	keyStateRequests *prometheus.CounterVec
+	keyStateDuration prometheus.Histogram
+	keyStateKeys     *prometheus.CounterVec
+	inflightKeys     prometheus.Gauge
+	inflightOldest   prometheus.Gauge
+	inflightReleased prometheus.Counter
+	inflightErrors   prometheus.Counter
+
 	riverJobs *prometheus.CounterVec
 	ready     prometheus.Gauge
 	pool      *poolCollector
@@ -200,6 +210,43 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Name: Ready,
 			Help: "1 when the last readiness evaluation (/readyz or the periodic one) passed, else 0.",
 		}),
+		ingestGated: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: IngestGated,
+			Help: "Records stored pending behind a blocked business key without being tried (defer.gated): a consumer's key gate deferred them. Not failures; counted as stored too.",
+		}),
+		ingestMisrouted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: IngestMisrouted,
+			Help: "Records read from a partition of the defer topic other than the one their business key hashes to (Java-compatible murmur2): records of one key on several partitions keep no order among themselves. Stored as usual; the log gives the offset of the first in each batch.",
+		}),
+		keyStateRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: KeyStateRequests,
+			Help: "Key-state queries (POST /v1/key-state), by result: answered; unsure (ingest did not catch up with the defer topic in time, or the database or broker failed: the client counts the keys as blocked); refused (a bad or unauthenticated request).",
+		}, []string{"result"}),
+		keyStateDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    KeyStateDuration,
+			Help:    "Time to answer a key-state query, the wait for ingest to catch up with the defer topic included.",
+			Buckets: durations,
+		}),
+		keyStateKeys: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: KeyStateKeys,
+			Help: "Business keys answered by key-state queries, by answer: blocked or free.",
+		}, []string{"answer"}),
+		inflightKeys: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: InflightKeys,
+			Help: "Rows of deferred_inflight: keys whose last republished record their consumer group has not committed past yet, per target partition (periodic query).",
+		}),
+		inflightOldest: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: InflightOldest,
+			Help: "How long ago the oldest record in deferred_inflight was published; 0 when none (periodic query). A group that stopped committing (deleted, renamed, stuck) keeps its keys blocked: see the README's runbook.",
+		}),
+		inflightReleased: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: InflightReleased,
+			Help: "Rows of deferred_inflight released because their consumer group committed past the record.",
+		}),
+		inflightErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: InflightErrors,
+			Help: "Failed reads of a consumer group's committed offsets by the in-flight release (retried about once a second; the log names the group).",
+		}),
 		pool: newPoolCollector(),
 	}
 	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
@@ -218,12 +265,19 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	}
 	// The usual kind of failure, so that the family exists before the first.
 	m.dlqPublishErrors.WithLabelValues("retriable")
+	for _, r := range []string{"answered", "unsure", "refused"} {
+		m.keyStateRequests.WithLabelValues(r)
+	}
+	m.keyStateKeys.WithLabelValues("blocked")
+	m.keyStateKeys.WithLabelValues("free")
 	reg.MustRegister(
 		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.ingestRollbacks, m.ingestReread, m.ingestUnrecoverable, m.ingestResets, m.ingestBuffered,
 		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
 		m.messages, m.messagesDue, m.oldestDue, m.heldKeys, m.oldestTx, m.heldParked, m.dlqUnsent,
 		m.dlqPublished, m.dlqPublishErrors,
+		m.ingestGated, m.ingestMisrouted, m.keyStateRequests, m.keyStateDuration, m.keyStateKeys,
+		m.inflightKeys, m.inflightOldest, m.inflightReleased, m.inflightErrors,
 		m.riverJobs, m.ready, m.pool, buildInfo,
 	)
 	return m
@@ -445,6 +499,10 @@ type Backlog struct {
 	// OldestTransaction is the age of the oldest open transaction in the
 	// database that holds back vacuum.
 	OldestTransaction time.Duration
+	// InflightKeys counts deferred_inflight's rows; InflightOldest is the
+	// age of the oldest.
+	InflightKeys   int64
+	InflightOldest time.Duration
 }
 
 // SetBacklog sets the backlog gauges. Every target present gets a series for
@@ -481,6 +539,69 @@ func (m *Metrics) SetBacklog(b Backlog) {
 	m.oldestTx.Set(max(b.OldestTransaction, 0).Seconds())
 	m.heldParked.Set(float64(b.KeysHeldParked))
 	m.dlqUnsent.Set(float64(b.DLQUnsent))
+	m.inflightKeys.Set(float64(b.InflightKeys))
+	m.inflightOldest.Set(max(b.InflightOldest, 0).Seconds())
+}
+
+// IngestGated counts records stored pending behind a blocked key.
+func (m *Metrics) IngestGated(n int64) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.ingestGated.Add(float64(n))
+}
+
+// IngestMisrouted counts records read from a partition other than their
+// business key's.
+func (m *Metrics) IngestMisrouted(n int) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.ingestMisrouted.Add(float64(n))
+}
+
+// KeyStateAnswered records an answered key-state query: how long it took
+// and how many keys were blocked and free.
+func (m *Metrics) KeyStateAnswered(d time.Duration, blocked, free int) {
+	if m == nil {
+		return
+	}
+	m.keyStateRequests.WithLabelValues("answered").Inc()
+	m.keyStateDuration.Observe(d.Seconds())
+	m.keyStateKeys.WithLabelValues("blocked").Add(float64(blocked))
+	m.keyStateKeys.WithLabelValues("free").Add(float64(free))
+}
+
+// KeyStateUnsure counts a key-state query answered "cannot say".
+func (m *Metrics) KeyStateUnsure() {
+	if m == nil {
+		return
+	}
+	m.keyStateRequests.WithLabelValues("unsure").Inc()
+}
+
+// KeyStateRefused counts a refused key-state query.
+func (m *Metrics) KeyStateRefused() {
+	if m == nil {
+		return
+	}
+	m.keyStateRequests.WithLabelValues("refused").Inc()
+}
+
+// InflightReleased counts in-flight rows released by a group's commit.
+func (m *Metrics) InflightReleased(n int64) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.inflightReleased.Add(float64(n))
+}
+
+// InflightError counts a failed read of a group's committed offsets.
+func (m *Metrics) InflightError() {
+	if m == nil {
+		return
+	}
+	m.inflightErrors.Inc()
 }
 
 // WatchPool makes the pool metrics report pool's statistics. Until it is

@@ -50,6 +50,17 @@ const (
 	RiverJobs           = "scheduler_river_jobs_total"              // counter {kind, outcome}
 	Ready               = "scheduler_ready"                         // gauge: 1 when /readyz passes
 	BuildInfo           = "scheduler_build_info"                    // gauge {version} = 1
+
+	// Key order end to end (docs/design.md section 23).
+	IngestGated      = "scheduler_ingest_gated_total"            // counter: records stored pending behind a blocked key (defer.gated)
+	IngestMisrouted  = "scheduler_ingest_misrouted_total"        // counter: records read from a partition other than their business key's
+	KeyStateRequests = "scheduler_key_state_requests_total"      // counter {result: answered|unsure|refused}
+	KeyStateDuration = "scheduler_key_state_duration_seconds"    // histogram: answered requests, the wait for ingest included
+	KeyStateKeys     = "scheduler_key_state_keys_total"          // counter {answer: blocked|free}
+	InflightKeys     = "scheduler_inflight_keys"                 // gauge: keys republished and not yet committed past by their group
+	InflightOldest   = "scheduler_inflight_oldest_seconds"       // gauge: age of the oldest of those
+	InflightReleased = "scheduler_inflight_released_total"       // counter: keys released by their group's commit
+	InflightErrors   = "scheduler_inflight_release_errors_total" // counter: failed reads of a group's committed offsets
 )
 
 // Names returns every metric name the scheduler exports.
@@ -61,5 +72,7 @@ func Names() []string {
 		Messages, MessagesDue, OldestDue, HeldKeys, KeysHeldParked, DLQPublished, DLQPublishErrors, DLQUnsent,
 		DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
 		RiverJobs, Ready, BuildInfo,
+		IngestGated, IngestMisrouted, KeyStateRequests, KeyStateDuration, KeyStateKeys,
+		InflightKeys, InflightOldest, InflightReleased, InflightErrors,
 	}
 }

@@ -1,5 +1,6 @@
 // Package opscli holds the scheduler's operator commands: status, ls, show,
-// held, expedite, cancel, park, replay, pause, resume, limit and targets.
+// held, expedite, cancel, park, replay, pause, resume, limit, targets,
+// inflight and release.
 // Each is a thin wrapper over files of the SQL runbook (sql/runbook), run
 // with the variables an operator would pass to psql, so the CLI and the
 // runbook cannot drift apart. Output is an aligned table, or JSON with

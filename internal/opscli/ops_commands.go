@@ -89,12 +89,13 @@ const (
 	heldParked     = "parked"
 	heldBackingOff = "backing_off"
 	heldLeased     = "leased"
+	heldInFlight   = "in_flight"
 )
 
 // heldKeyRow is a row of held_keys.sql.
 type heldKeyRow struct {
 	BusinessKey *string    `db:"business_key" json:"business_key"`
-	Kind        string     `db:"kind" json:"kind"` // parked, backing_off or leased
+	Kind        string     `db:"kind" json:"kind"` // parked, backing_off, in_flight or leased
 	Why         string     `db:"why" json:"why"`
 	Failures    int32      `db:"failures" json:"failures"`
 	LeasedUntil *time.Time `db:"leased_until" json:"leased_until"`
@@ -127,6 +128,7 @@ type statusReport struct {
 	HeldKeys         int           `json:"held_keys"`
 	ParkedKeys       int           `json:"parked_keys"` // held by a parked message
 	BackingOffKeys   int           `json:"backing_off_keys"`
+	InFlightKeys     int           `json:"in_flight_keys"` // waiting for their consumer group's commit
 	RejectedLastHour int64         `json:"rejected_last_hour"`
 	RejectedReasons  []rejectedRow `json:"rejected_reasons"`
 }
@@ -159,6 +161,8 @@ func readStatus(ctx context.Context, q queryer) (statusReport, error) {
 			s.ParkedKeys++
 		case heldBackingOff:
 			s.BackingOffKeys++
+		case heldInFlight:
+			s.InFlightKeys++
 		}
 	}
 	if s.RejectedReasons, err = runbookRows[rejectedRow](ctx, q, "rejected_recent.sql", map[string]string{"window": rejectedWindow}); err != nil {
@@ -190,8 +194,8 @@ func (s statusReport) print(w io.Writer) {
 			printable(orDash(o.BusinessKey), false), printable(orDash(o.TargetTopic), false),
 			formatTimePtr(o.DueAt), s.DueHeads, plural(s.DueHeads, "", "s"))
 	}
-	fmt.Fprintf(w, "Held keys: %d, %d by a parked message, %d backing off after failed publishes (scheduler held lists them)\n",
-		s.HeldKeys, s.ParkedKeys, s.BackingOffKeys)
+	fmt.Fprintf(w, "Held keys: %d, %d by a parked message, %d backing off after failed publishes, %d in flight (scheduler held lists them)\n",
+		s.HeldKeys, s.ParkedKeys, s.BackingOffKeys, s.InFlightKeys)
 	if s.RejectedLastHour == 0 {
 		fmt.Fprintln(w, "Rejected in the last hour: none")
 	} else {

@@ -69,6 +69,11 @@ func printHeld(w io.Writer, rows []heldKeyRow, now time.Time) {
 			},
 		},
 		{
+			heldInFlight, "In flight: republished, waiting for the consumer group to commit (scheduler inflight; scheduler release):",
+			nil,
+			func(heldKeyRow) []string { return nil },
+		},
+		{
 			heldLeased, "Leased by a dispatcher (publishing now):",
 			[]string{"LEASED BY", "UNTIL"},
 			func(h heldKeyRow) []string {

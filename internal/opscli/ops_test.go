@@ -32,6 +32,8 @@ func TestOpsCommands(t *testing.T) {
 		// check is a query returning true when the command had its effect
 		// (or, for a refusal, none).
 		check string
+		// setup runs after the seed.
+		setup string
 	}{
 		// status
 		{
@@ -41,7 +43,7 @@ func TestOpsCommands(t *testing.T) {
 				"  -               rejected  2         0    -", "  orders.retry    pending   5         2    ",
 				"  payments.retry  parked    2         0    -",
 				"Lateness: 2m", "message 101 (key order-1, target orders.retry)", "; 2 key heads due\n",
-				"Held keys: 3, 1 by a parked message, 1 backing off after failed publishes (scheduler held lists them)\n",
+				"Held keys: 3, 1 by a parked message, 1 backing off after failed publishes, 0 in flight (scheduler held lists them)\n",
 				"Rejected in the last hour: 2 (invalid_delay 1, missing_target 1)\n",
 			},
 		},
@@ -353,6 +355,97 @@ func TestOpsCommands(t *testing.T) {
 			check: `SELECT state = 'pending' FROM deferred_message WHERE id = 101`},
 		{name: "park without ids", args: []string{"park", "--reason", "x"}, code: 2, stderr: []string{"want at least one message id"}},
 
+		// inflight, release
+		{
+			name: "inflight", args: []string{"inflight"}, setup: inflightSeed,
+			stdout: []string{
+				"GROUP     KEY      TARGET        PARTITION  OFFSET  MESSAGE  PUBLISHED AT", "AGE\n",
+				// Oldest first: each row follows the age that ends the one before.
+				"AGE\npayments  order-1  orders.retry  0          41      201      ", "  20m", "s\npayments  order-1  orders.retry  1          7 ",
+				"s\npayments  order-2  orders.retry  0          42      203 ", "s\naudit     order-1  orders.retry  0          41      201 ", "  1m",
+			},
+		},
+		{
+			name: "inflight --group --json", args: []string{"inflight", "--group", "audit", "--json"}, setup: inflightSeed,
+			json: func(t *testing.T, out string) {
+				rs := opsjson.Decode[[]opsjson.Inflight](t, out)
+				if len(rs) != 1 || rs[0].GroupID != "audit" || rs[0].BusinessKey != "order-1" || rs[0].TargetTopic != "orders.retry" ||
+					rs[0].Partition != 0 || rs[0].RecordOffset != 41 || rs[0].MessageID != 201 || rs[0].Seq != 1 ||
+					rs[0].AgeSeconds < 59 || rs[0].AgeSeconds > 120 || rs[0].PublishedAt == "" {
+					t.Errorf("inflight: %+v", rs)
+				}
+			},
+		},
+		{
+			name: "inflight --key --limit", args: []string{"inflight", "--key", "order-1", "--limit", "2"}, setup: inflightSeed,
+			stdout:    []string{"\npayments  order-1  orders.retry  0 ", "\npayments  order-1  orders.retry  1 ", "(the oldest 2; --limit shows more)\n"},
+			notStdout: []string{"audit", "order-2"},
+		},
+		{name: "inflight none", args: []string{"inflight"}, stdout: []string{"no key is in flight\n"}},
+		{name: "inflight none for a group", args: []string{"inflight", "--group", "nope"}, setup: inflightSeed,
+			stdout: []string{"no key is in flight for group nope\n"}},
+		{
+			name: "inflight none --json", args: []string{"inflight", "--json"},
+			json: func(t *testing.T, out string) {
+				if strings.TrimSpace(out) != "[]" {
+					t.Errorf("want [], got %s", out)
+				}
+			},
+		},
+		{name: "inflight bad limit", args: []string{"inflight", "--limit", "0"}, code: 2, stderr: []string{"--limit 0 is out of range"}},
+		{name: "inflight unknown flag", args: []string{"inflight", "--bogus"}, code: 2,
+			stderr: []string{"flag provided but not defined: -bogus", "scheduler inflight --help"}},
+		{name: "inflight with an argument", args: []string{"inflight", "payments"}, code: 2, stderr: []string{`unexpected argument "payments"`}},
+		{
+			name: "release --dry-run", args: []string{"release", "--group", "payments", "--key", "order-1", "--dry-run"}, setup: inflightSeed,
+			stdout: []string{
+				"\npayments  order-1  orders.retry  0 ", "\npayments  order-1  orders.retry  1 ",
+				"dry run: would release 1 key (2 target partitions) of group payments, key order-1; nothing changed\n",
+			},
+			notStdout: []string{"audit", "order-2"},
+			check:     `SELECT count(*) = 4 FROM deferred_inflight`,
+		},
+		{
+			name: "release --dry-run --json", args: []string{"release", "--dry-run", "--group", "payments", "--json"}, setup: inflightSeed,
+			json: func(t *testing.T, out string) {
+				r := opsjson.Decode[opsjson.Release](t, out)
+				if !r.DryRun || r.Group != "payments" || r.Key != nil || r.Matched != 3 || r.Released != 0 || len(r.Keys) != 3 {
+					t.Errorf("release: %+v", r)
+				}
+			},
+			check: `SELECT count(*) = 4 FROM deferred_inflight`,
+		},
+		{
+			name: "release", args: []string{"release", "--group", "payments"}, setup: inflightSeed,
+			stdout: []string{"\npayments  order-2  orders.retry  0          42 ", "released 2 keys (3 target partitions) of group payments\n"},
+			check:  `SELECT count(*) = 1 AND bool_and(group_id = 'audit') FROM deferred_inflight`,
+		},
+		{
+			name: "release one key --json", args: []string{"release", "--group", "payments", "--key", "order-2", "--json"}, setup: inflightSeed,
+			json: func(t *testing.T, out string) {
+				r := opsjson.Decode[opsjson.Release](t, out)
+				if r.DryRun || r.Key == nil || *r.Key != "order-2" || r.Matched != 1 || r.Released != 1 || len(r.Keys) != 1 ||
+					r.Keys[0].RecordOffset != 42 || r.Keys[0].GroupID != "payments" {
+					t.Errorf("release: %+v", r)
+				}
+			},
+			check: `SELECT count(*) = 3 AND NOT bool_or(business_key = 'order-2') FROM deferred_inflight`,
+		},
+		{
+			name: "release a group with nothing in flight", args: []string{"release", "--group", "nope"}, setup: inflightSeed,
+			stdout: []string{"no key is in flight for group nope; nothing released\n"},
+			check:  `SELECT count(*) = 4 FROM deferred_inflight`,
+		},
+		{name: "release without --group", args: []string{"release", "--key", "order-1"}, code: 2, setup: inflightSeed,
+			stderr: []string{"scheduler release: --group is required", "(see scheduler release --help)"}, check: `SELECT count(*) = 4 FROM deferred_inflight`},
+		{name: "release without --group --json", args: []string{"release", "--json"}, code: 2,
+			stderr: []string{`{"error":"--group is required`}},
+		{name: "release an empty group", args: []string{"release", "--group", " "}, code: 2, stderr: []string{"--group is required"}},
+		{name: "release with an argument", args: []string{"release", "--group", "payments", "order-1"}, code: 2, setup: inflightSeed,
+			stderr: []string{`unexpected argument "order-1"`}, check: `SELECT count(*) = 4 FROM deferred_inflight`},
+		{name: "release unknown flag", args: []string{"release", "--group", "payments", "--force"}, code: 2, setup: inflightSeed,
+			stderr: []string{"flag provided but not defined: -force", "scheduler release --help"}, check: `SELECT count(*) = 4 FROM deferred_inflight`},
+
 		// help
 		{name: "status --help", args: []string{"status", "--help"}, stdout: []string{"Usage: scheduler status", "-json"}},
 		{name: "ls --help", args: []string{"ls", "--help"}, stdout: []string{"Usage: scheduler ls", "-target", "-state", "-key", "-reason", "-limit", "(default 50)", "-json"}},
@@ -367,6 +460,8 @@ func TestOpsCommands(t *testing.T) {
 		{name: "resume --help", args: []string{"resume", "--help"}, stdout: []string{"Usage: scheduler resume TARGET"}},
 		{name: "limit --help", args: []string{"limit", "--help"}, stdout: []string{"Usage: scheduler limit TARGET RATE", "scheduler limit TARGET off"}},
 		{name: "targets --help", args: []string{"targets", "--help"}, stdout: []string{"Usage: scheduler targets", "targets.sql"}},
+		{name: "inflight --help", args: []string{"inflight", "--help"}, stdout: []string{"Usage: scheduler inflight", "-group", "-key", "-limit", "(default 100)", "inflight.sql"}},
+		{name: "release --help", args: []string{"release", "--help"}, stdout: []string{"Usage: scheduler release --group GROUP", "-group", "-key", "-dry-run", "release_inflight.sql"}},
 
 		// pause, resume, limit, targets
 		{
@@ -473,6 +568,8 @@ func TestOpsCommands(t *testing.T) {
 		{name: "database down: replay", args: []string{"replay", "--id", "1"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: pause", args: []string{"pause", "t"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: targets --json", args: []string{"targets", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database`}},
+		{name: "database down: inflight", args: []string{"inflight"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: release", args: []string{"release", "--group", "g"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -483,6 +580,11 @@ func TestOpsCommands(t *testing.T) {
 				db = pgtest.NewDB(t)
 				fixture.SeedOps(t, db.Pool)
 				env = []string{"DATABASE_URL=" + db.URL}
+				if tt.setup != "" {
+					if _, err := db.Pool.Exec(context.Background(), tt.setup); err != nil {
+						t.Fatalf("setup: %v", err)
+					}
+				}
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
@@ -544,6 +646,16 @@ func TestOpsCommands(t *testing.T) {
 		})
 	}
 }
+
+// inflightSeed holds keys in flight for two consumer groups: payments has
+// order-1 in two partitions of orders.retry and order-2 in one, audit
+// order-1 in one.
+const inflightSeed = `INSERT INTO deferred_inflight
+	(group_id, business_key, target_topic, partition, record_offset, message_id, seq, published_at) VALUES
+	('payments', 'order-1', 'orders.retry', 0, 41, 201, 1, now() - interval '20 minutes'),
+	('payments', 'order-1', 'orders.retry', 1, 7, 202, 2, now() - interval '10 minutes'),
+	('payments', 'order-2', 'orders.retry', 0, 42, 203, 3, now() - interval '5 minutes'),
+	('audit', 'order-1', 'orders.retry', 0, 41, 201, 1, now() - interval '1 minute')`
 
 // TestOpsTablesAlign checks that ls prints an aligned table: every cell of a
 // column starts where its heading does.

@@ -8,7 +8,8 @@ import (
 // Commands returns the operator commands Run knows, in the order the usage
 // text gives them.
 func Commands() []string {
-	return []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "targets"}
+	return []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "targets",
+		"inflight", "release"}
 }
 
 // Run runs the operator command name with its arguments against the
@@ -42,6 +43,10 @@ func Run(ctx context.Context, name string, args, environ []string, stdin io.Read
 		return cmdLimit(ctx, args, environ, stdout, stderr), true
 	case "targets":
 		return cmdTargets(ctx, args, environ, stdout, stderr), true
+	case "inflight":
+		return cmdInflight(ctx, args, environ, stdout, stderr), true
+	case "release":
+		return cmdRelease(ctx, args, environ, stdout, stderr), true
 	}
 	return 0, false
 }

@@ -263,6 +263,42 @@ func TestRunbook(t *testing.T) {
 			check: `SELECT paused AND note IS NULL FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
+			name: "keys in flight, oldest first", file: "inflight.sql", setup: inflightSeed, lines: 4,
+			vars: map[string]string{"group": "", "key": "", "limit": ""},
+			want: []string{
+				// The ages are truncated to the second, and a second may pass.
+				"payments|order-1|orders.retry|0|41|201|1|", "|00:20:0", "audit|order-1|orders.retry|0|41|201|1|", "|00:01:0",
+			},
+		},
+		{
+			name: "keys in flight for a group and key", file: "inflight.sql", setup: inflightSeed, lines: 2,
+			vars:    map[string]string{"group": "payments", "key": "order-1", "limit": "10"},
+			want:    []string{"payments|order-1|orders.retry|0|41|", "payments|order-1|orders.retry|1|7|"},
+			wantNot: []string{"audit|", "payments|order-2|"},
+		},
+		{
+			name: "keys in flight, limited", file: "inflight.sql", setup: inflightSeed, lines: 1,
+			vars: map[string]string{"group": "", "key": "", "limit": "1"},
+			want: []string{"payments|order-1|orders.retry|0|41|"},
+		},
+		{
+			name: "release a group's keys", file: "release_inflight.sql", setup: inflightSeed, lines: 3,
+			vars:  map[string]string{"group": "payments", "key": ""},
+			want:  []string{"payments|order-1|orders.retry|0|41|201|1|", "payments|order-1|orders.retry|1|7|", "payments|order-2|orders.retry|0|42|"},
+			check: `SELECT count(*) = 1 AND bool_and(group_id = 'audit') FROM deferred_inflight`,
+		},
+		{
+			name: "release one key of a group", file: "release_inflight.sql", setup: inflightSeed, lines: 2,
+			vars:  map[string]string{"group": "payments", "key": "order-1"},
+			want:  []string{"payments|order-1|orders.retry|0|", "payments|order-1|orders.retry|1|"},
+			check: `SELECT count(*) = 2 FROM deferred_inflight WHERE business_key = 'order-2' OR group_id = 'audit'`,
+		},
+		{
+			name: "release with no group releases nothing", file: "release_inflight.sql", setup: inflightSeed, lines: 0,
+			vars:  map[string]string{"group": "", "key": ""},
+			check: `SELECT count(*) = 4 FROM deferred_inflight`,
+		},
+		{
 			name: "rejected in the last hour", file: "rejected_recent.sql", vars: map[string]string{"window": "1 hour"}, lines: 2,
 			want: []string{"invalid_delay|1|", "missing_target|1|"},
 		},
@@ -393,7 +429,8 @@ func TestRunbookREADME(t *testing.T) {
 			t.Errorf("README.md, Operating it: no row with an example for %s", name)
 		}
 	}
-	for _, cmd := range []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "targets"} {
+	for _, cmd := range []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "targets",
+		"inflight", "release"} {
 		if !strings.Contains(section, "\nscheduler "+cmd+" ") {
 			t.Errorf("README.md, Operating it: no example of scheduler %s", cmd)
 		}

@@ -26,8 +26,10 @@ func RunCommand(ctx context.Context, version string, args, environ []string, std
 		fmt.Fprint(w, `Usage: scheduler run [flags]
 
 Consumes the defer topic into Postgres, republishes due messages in per-key
-order, and serves /healthz, /readyz and /metrics on HTTP_ADDR. SIGINT or
-SIGTERM stops consuming, finishes in-flight batches, commits and exits 0.
+order, releases keys once their consumer group committed past them, and
+serves /healthz, /readyz, /metrics and the key-state query (POST
+/v1/key-state) on HTTP_ADDR. SIGINT or SIGTERM stops consuming, finishes
+in-flight batches, commits and exits 0.
 
 Environment:
 `)

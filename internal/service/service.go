@@ -1,7 +1,8 @@
 // Package service wires the scheduler's parts into the process `scheduler
 // run` is: the configuration, the Postgres pool, the Kafka clients, ingest,
-// the dispatch runtime, the HTTP server of /healthz, /readyz and /metrics,
-// the backlog gauges, and a shutdown bounded by SHUTDOWN_TIMEOUT. It also
+// the dispatch runtime, the in-flight release, the HTTP server of /healthz,
+// /readyz, /metrics and the key-state query, the backlog gauges, and a
+// shutdown bounded by SHUTDOWN_TIMEOUT. It also
 // holds the run and migrate commands, which parse their flags and call it.
 package service
 
@@ -33,6 +34,9 @@ import (
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/highwater"
+	"github.com/deferq/scheduler/internal/inflight"
+	"github.com/deferq/scheduler/internal/keygate"
+	"github.com/deferq/scheduler/internal/keystate"
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/internal/runner"
 	"github.com/deferq/scheduler/migrations"
@@ -60,6 +64,15 @@ type Service struct {
 	registry *prometheus.Registry
 	metrics  *metrics.Metrics
 	brokers  *brokerCheck
+	// admin reads consumer groups' committed offsets for inflight, which
+	// releases the keys the groups have committed past.
+	admin    sarama.ClusterAdmin
+	inflight *inflight.Releaser
+	// keyStates answers POST /v1/key-state; offsets is the Kafka client it
+	// reads the defer topic's high-water marks with, nil until Kafka is
+	// connected (it answers 503 "kafka: connecting" meanwhile).
+	keyStates *keygate.Server
+	offsets   sarama.Client
 	// httpErr receives what the HTTP server's Serve returns.
 	httpErr chan error
 	// connected is set once the Kafka clients, ingest and dispatch exist.
@@ -121,6 +134,8 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		brokers[i] = strings.TrimSpace(b)
 	}
 	s.kafkaAddrs = strings.Join(brokers, ",")
+	s.keyStates = keygate.NewServer(keygate.Config{DB: s.pool, Topic: cfg.DeferTopic, Keys: cfg.Signing().Keys(),
+		Metrics: s.metrics, Logger: logger.With("component", "key-state")})
 	// Serve before connecting to Kafka, which waits as long as the brokers
 	// are away: an orchestrator probing /readyz meanwhile should read "not
 	// ready: kafka connecting", not a refused connection that looks like a
@@ -150,6 +165,25 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		return nil, err
 	}
 	s.brokers = newBrokerCheck(brokers, probe)
+	adminConf, err := s.cfg.Kafka().Config()
+	if err != nil {
+		return nil, err
+	}
+	if s.admin, err = sarama.NewClusterAdmin(brokers, adminConf); err != nil {
+		return nil, fmt.Errorf("connect the Kafka admin client to %s: %w", s.kafkaAddrs, err)
+	}
+	s.inflight = inflight.New(s.pool, inflight.NewAdminOffsets(s.admin), s.keyStates, inflight.DefaultInterval, s.metrics,
+		logger.With("component", "inflight"))
+	// A client of its own: the consumer's waits out rebalances, and a
+	// key-state request must not.
+	oc, err := s.cfg.Kafka().Config()
+	if err != nil {
+		return nil, err
+	}
+	if s.offsets, err = sarama.NewClient(brokers, oc); err != nil {
+		return nil, fmt.Errorf("connect to Kafka at %s: %w", s.kafkaAddrs, err)
+	}
+	s.keyStates.SetOffsets(keygate.KafkaOffsets{Client: s.offsets})
 
 	cfg.LogPolicies(logger)
 	s.ingester, err = ingest.NewIngester(s.consumer.Group, ingest.NewStore(s.pool, s.marks), ingest.IngestConfig{
@@ -274,6 +308,7 @@ func (s *Service) Run(ctx context.Context) error {
 		return err
 	}
 	wg.Go(func() { s.refreshGauges(runCtx) })
+	wg.Go(func() { s.inflight.Run(runCtx) })
 	ingestCtx, stopIngest := context.WithCancel(ctx)
 	defer stopIngest()
 	ingestDone := make(chan struct{})
@@ -343,6 +378,14 @@ func (s *Service) close() {
 			s.logger.Warn("close producer", "error", err)
 		}
 	}
+	if s.offsets != nil {
+		_ = s.offsets.Close()
+	}
+	if s.admin != nil {
+		if err := s.admin.Close(); err != nil {
+			s.logger.Warn("close Kafka admin client", "error", err)
+		}
+	}
 	if s.pool != nil {
 		s.pool.Close()
 	}
@@ -387,6 +430,9 @@ func (s *Service) routes() http.Handler {
 	})
 	mux.HandleFunc("GET /readyz", s.readyz)
 	mux.Handle("GET /metrics", promhttp.HandlerFor(s.registry, promhttp.HandlerOpts{}))
+	// Every method, so that the server itself answers a wrong one with its
+	// JSON refusal (405) rather than the mux's plain text.
+	mux.Handle(keystate.Path, s.keyStates)
 	return mux
 }
 
@@ -520,6 +566,8 @@ func (s *Service) backlog(ctx context.Context) (metrics.Backlog, error) {
 		b.HeldKeys = r.HeldKeys
 		b.KeysHeldParked, b.DLQUnsent = r.HeldParked, r.DLQUnsent
 		b.OldestTransaction = time.Duration(r.OldestXactSeconds * float64(time.Second))
+		b.InflightKeys = r.InflightKeys
+		b.InflightOldest = time.Duration(r.InflightOldest * float64(time.Second))
 		if r.State == nil {
 			continue // no message at all
 		}

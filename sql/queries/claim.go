@@ -47,11 +47,12 @@ type DispatchClaimRow struct {
 	Value        []byte     `db:"value"`
 	HeaderKeys   []string   `db:"header_keys"`
 	HeaderValues [][]byte   `db:"header_values"`
+	Group        *string    `db:"group_id"`
 }
 
 func (r *DispatchClaimRow) dest() []any {
 	return []any{&r.BusinessKey, &r.HeadID, &r.ID, &r.Seq, &r.Target, &r.NextRunAt, &r.Attempt, &r.RedriveCount,
-		&r.Key, &r.Value, &r.HeaderKeys, &r.HeaderValues}
+		&r.Key, &r.Value, &r.HeaderKeys, &r.HeaderValues, &r.Group}
 }
 
 // DispatchClaim leases due heads and reads their runs (dispatch_claim.sql).
@@ -109,9 +110,13 @@ func DispatchLockKeys(ctx context.Context, db DBTX, p DispatchLockKeysParams) er
 // DispatchDeleteParams are dispatch_delete.sql's parameters.
 type DispatchDeleteParams struct {
 	IDs []int64 // $1: the messages the broker acknowledged
+	// Where each went in its target, one per id; nil when unknown (no
+	// in-flight row is recorded then).
+	Partitions []int32 // $2
+	Offsets    []int64 // $3
 }
 
-func (p DispatchDeleteParams) args() []any { return []any{p.IDs} }
+func (p DispatchDeleteParams) args() []any { return []any{p.IDs, p.Partitions, p.Offsets} }
 
 // QueueDispatchDelete adds dispatch_delete.sql to b.
 func QueueDispatchDelete(b *pgx.Batch, p DispatchDeleteParams) {
@@ -121,6 +126,25 @@ func QueueDispatchDelete(b *pgx.Batch, p DispatchDeleteParams) {
 // DispatchDelete runs dispatch_delete.sql.
 func DispatchDelete(ctx context.Context, db DBTX, p DispatchDeleteParams) error {
 	_, err := db.Exec(ctx, dispatchDeleteSQL, p.args()...)
+	return err
+}
+
+// DispatchReleaseEmptyParams are dispatch_release_empty.sql's parameters.
+type DispatchReleaseEmptyParams struct {
+	Keys  []string // $1: the business keys finalize releases
+	Owner string   // $2: only rows this owner leases
+}
+
+func (p DispatchReleaseEmptyParams) args() []any { return []any{p.Keys, p.Owner} }
+
+// QueueDispatchReleaseEmpty adds dispatch_release_empty.sql to b.
+func QueueDispatchReleaseEmpty(b *pgx.Batch, p DispatchReleaseEmptyParams) {
+	b.Queue(dispatchReleaseEmptySQL, p.args()...)
+}
+
+// DispatchReleaseEmpty runs dispatch_release_empty.sql.
+func DispatchReleaseEmpty(ctx context.Context, db DBTX, p DispatchReleaseEmptyParams) error {
+	_, err := db.Exec(ctx, dispatchReleaseEmptySQL, p.args()...)
 	return err
 }
 

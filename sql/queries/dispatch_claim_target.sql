@@ -36,7 +36,7 @@ WITH due AS MATERIALIZED (
     RETURNING k.business_key, k.head_id, k.head_seq
 ), run AS (
     SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count,
-           m.key, m.value, m.header_keys, m.header_values, m.nth,
+           m.key, m.value, m.header_keys, m.header_values, m.group_id, m.nth,
            -- The bytes of the rows before this one, in the output order.
            coalesce(sum(coalesce(octet_length(m.key), 0) + coalesce(octet_length(m.value), 0)
                         + coalesce((SELECT sum(octet_length(h)) FROM unnest(m.header_values) AS h)::int, 0))
@@ -45,7 +45,7 @@ WITH due AS MATERIALIZED (
     FROM claimed c
     LEFT JOIN LATERAL (
         SELECT s.id, s.seq, s.target_topic, s.next_run_at, s.attempt, s.redrive_count, s.key, s.value,
-               s.header_keys, s.header_values, s.nth
+               s.header_keys, s.header_values, s.group_id, s.nth
         FROM (
             SELECT m.*, bool_and(m.state = 'pending' AND m.next_run_at <= now()) OVER w AS all_due,
                    row_number() OVER w AS nth
@@ -66,7 +66,7 @@ WITH due AS MATERIALIZED (
         WHERE s.all_due
         UNION ALL
         SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count, m.key, m.value,
-               m.header_keys, m.header_values, 1
+               m.header_keys, m.header_values, m.group_id, 1
         FROM deferred_message m
         WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
     ) m ON true
@@ -83,7 +83,8 @@ SELECT r.business_key, r.head_id,
        CASE WHEN r.bytes_before < $5::bigint THEN r.key END AS key,
        CASE WHEN r.bytes_before < $5::bigint THEN r.value END AS value,
        CASE WHEN r.bytes_before < $5::bigint THEN r.header_keys END AS header_keys,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END AS header_values
+       CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END AS header_values,
+       CASE WHEN r.bytes_before < $5::bigint THEN r.group_id END AS group_id
 FROM run r
 WHERE r.bytes_before < $5::bigint OR coalesce(r.nth, 1) = 1
 ORDER BY r.business_key, r.head_id, r.seq, r.id

@@ -1,2 +1,65 @@
--- Finalize, step 3: the broker acknowledged these messages; forget them.
-DELETE FROM deferred_message WHERE id = ANY ($1::bigint[]) AND state = 'pending'
+-- Finalize, step 4: the broker acknowledged these messages; forget them, and
+-- record where each went. $1 are the messages' ids; $2 and $3, one per id,
+-- the partition and offset of its target the broker put it at (both NULL
+-- where unknown).
+--
+-- A message still pending is deleted (one an operator parked meanwhile
+-- stays parked), and for each:
+--   - a 'published' event in deferred_attempt, in its lineage, with the
+--     attempt the record carries (the stored one plus one) and where it
+--     went, so that a message's story ends with its delivery;
+--   - if it names a consumer group and a business key (defer.group), its
+--     key in deferred_inflight for that group and target partition, the
+--     key's last record there winning: the key stays blocked for the
+--     group's key-state queries until the group's committed offset passes
+--     it (docs/design.md section 23). Rows are written in primary-key order,
+--     the order the release deletes them in.
+--   - the key itself is leased 'in-flight' (below).
+-- One statement, so that the key is never seen free between the delete and
+-- the in-flight row: both commit with the rest of the finalize.
+WITH gone AS (
+    DELETE FROM deferred_message m
+    WHERE m.id = ANY ($1::bigint[]) AND m.state = 'pending'
+    RETURNING m.id, m.business_key, m.seq, m.group_id, m.target_topic, m.attempt, m.next_run_at
+), placed AS (
+    SELECT g.id, g.business_key, g.seq, g.group_id, g.target_topic, g.attempt, g.next_run_at,
+           p.partition, p.record_offset
+    FROM gone g
+    LEFT JOIN unnest($1::bigint[], $2::int[], $3::bigint[]) AS p (id, partition, record_offset) ON p.id = g.id
+), history AS (
+    INSERT INTO deferred_attempt (lineage_id, message_id, event, attempt, target_topic, next_run_at,
+                                  partition, record_offset)
+    -- One probe of deferred_attempt_message per message: its first event
+    -- names its lineage (a message whose history was pruned is its own).
+    SELECT coalesce((SELECT a.lineage_id FROM deferred_attempt a
+                     WHERE a.message_id = p.id ORDER BY a.message_id, a.id LIMIT 1), p.id),
+           p.id, 'published', p.attempt + 1, p.target_topic, p.next_run_at, p.partition, p.record_offset
+    FROM placed p
+    ORDER BY p.id
+), flight AS (
+    INSERT INTO deferred_inflight AS i (group_id, business_key, target_topic, partition, record_offset, message_id, seq)
+    SELECT l.group_id, l.business_key, l.target_topic, l.partition, l.record_offset, l.id, l.seq
+    FROM (
+        SELECT DISTINCT ON (p.group_id, p.business_key, p.target_topic, p.partition) p.*
+        FROM placed p
+        WHERE p.group_id IS NOT NULL AND p.business_key IS NOT NULL AND p.partition IS NOT NULL
+        ORDER BY p.group_id, p.business_key, p.target_topic, p.partition, p.record_offset DESC
+    ) l
+    ORDER BY l.group_id, l.business_key, l.target_topic, l.partition
+    ON CONFLICT (group_id, business_key, target_topic, partition) DO UPDATE
+    SET record_offset = excluded.record_offset, message_id = excluded.message_id, seq = excluded.seq,
+        published_at = now()
+    WHERE excluded.record_offset >= i.record_offset
+)
+-- The keys now in flight take the lease 'in-flight' until 'infinity': no
+-- dispatcher claims them until their group committed past what went out
+-- (deferred_inflight_after_delete.sql clears it). The finalize holds their
+-- rows locked (dispatch_lock_keys.sql) and released its own lease just
+-- before (dispatch_release.sql); the head trigger this delete fires runs
+-- after this statement, and keeps the row of a key left without messages,
+-- emptied, since it is leased.
+UPDATE deferred_key k
+SET leased_by = 'in-flight', leased_until = 'infinity'
+WHERE k.business_key = ANY (ARRAY(SELECT DISTINCT p.business_key FROM placed p
+                                  WHERE p.group_id IS NOT NULL AND p.business_key IS NOT NULL
+                                    AND p.partition IS NOT NULL))

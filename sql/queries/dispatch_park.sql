@@ -1,4 +1,4 @@
--- Finalize, step 4: park messages the broker refused for good, with the reason.
+-- Finalize, step 5: park messages the broker refused for good, with the reason.
 -- A parked message holds its key when its park_holds_key says so (the
 -- retry policy of its target, set at ingest): the triggers then make it the
 -- key's head, held, and the rest of the key waits for an operator. Otherwise

@@ -1,5 +1,6 @@
--- Finalize, last step: give back the keys $1 (business keys) and $2
--- (unordered heads) leased to $3. Keys in $4 (business keys) and $5
+-- Finalize, step 3: give back the keys $1 (business keys) and $2 (unordered
+-- heads) leased to $3, before the messages are deleted or parked (see
+-- internal/keylock's Finalize). Keys in $4 (business keys) and $5
 -- (unordered heads) failed with a retriable error: they stay leased to no one
 -- for a back-off that doubles with each consecutive failure, from $6 up to
 -- $7, which is how dispatch backs off from a broker that is down without

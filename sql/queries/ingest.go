@@ -41,30 +41,33 @@ type IngestInsertParams struct {
 	ExpectedNext  int64                        // $24: the stored position the writer left, -1 for none
 	Epoch         int32                        // $25
 	MinID, MinSeq int64                        // $26, $27: the writer's high-water marks
+	Groups        pgtype.FlatArray[*string]    // $28: defer.group, NULL for none
+	Gated         []bool                       // $29: defer.gated
 }
 
 func (p IngestInsertParams) args() []any {
 	return []any{p.Topic, p.Partition, p.Offsets, p.BusinessKeys, p.Seqs, p.Targets, p.RunAts, p.DelaysMicros,
 		p.Attempts, p.States, p.Reasons, p.ErrorClasses, p.ErrorMessages, p.OriginIDs, p.Keys, p.Values,
 		p.HeaderRecords, p.HeaderKeys, p.HeaderValues, p.NextOffset, p.HoldsKey, p.DLQTopics, p.RedriveCounts,
-		p.ExpectedNext, p.Epoch, p.MinID, p.MinSeq}
+		p.ExpectedNext, p.Epoch, p.MinID, p.MinSeq, p.Groups, p.Gated}
 }
 
 // IngestInsertRow is what ingest_insert.sql reports: whether the position
 // matched (nothing was stored otherwise), how many rows were stored and how
-// many of those rejected and parked, and the highest id and seq stored (nil
-// when none).
+// many of those rejected, parked and gated, and the highest id and seq
+// stored (nil when none).
 type IngestInsertRow struct {
 	Matched  bool   `db:"matched"`
 	Stored   int64  `db:"stored"`
 	Rejected int64  `db:"rejected"`
 	Parked   int64  `db:"parked"`
+	Gated    int64  `db:"gated"`
 	MaxID    *int64 `db:"max_id"`
 	MaxSeq   *int64 `db:"max_seq"`
 }
 
 func (r *IngestInsertRow) dest() []any {
-	return []any{&r.Matched, &r.Stored, &r.Rejected, &r.Parked, &r.MaxID, &r.MaxSeq}
+	return []any{&r.Matched, &r.Stored, &r.Rejected, &r.Parked, &r.Gated, &r.MaxID, &r.MaxSeq}
 }
 
 // IngestInsert stores one batch of one partition (ingest_insert.sql).

@@ -6,7 +6,8 @@
 -- per record: $3 source offset, $4 business key, $5 seq (NULL: a fresh one),
 -- $6 target, $7 due time, $8 delay in microseconds, $9 attempt, $10 state,
 -- $11 reason, $12 error class, $13 error message, $14 origin id, $15 key,
--- $16 value, $21 park_holds_key, $22 dead-letter topic, $23 redrive count.
+-- $16 value, $21 park_holds_key, $22 dead-letter topic, $23 redrive count,
+-- $28 consumer group (defer.group), $29 gated (defer.gated).
 -- Only the header arrays $17-$19 differ: they list every header of the
 -- batch in order, each with the 1-based position of its record in $17.
 --
@@ -32,8 +33,9 @@
 -- migration 0005): no id consumers saw is handed to another message.
 --
 -- Returns whether the position matched, how many rows were stored, how many
--- of those were rejected and how many parked, and the highest id and seq
--- stored (NULL when none).
+-- of those were rejected, how many parked and how many gated (stored
+-- pending behind a blocked key), and the highest id and seq stored (NULL
+-- when none).
 WITH moved AS (
     UPDATE ingest_offset SET next_offset = $20, updated_at = now()
     WHERE topic = $1 AND partition = $2 AND next_offset = $24 AND epoch = $25
@@ -55,18 +57,19 @@ WITH moved AS (
 INSERT INTO deferred_message (
     source_topic, source_partition, source_epoch, source_offset, business_key, seq, target_topic,
     next_run_at, attempt, state, reason, error_class, error_message, origin_id,
-    key, value, header_keys, header_values, park_holds_key, parked_at, dlq_topic, redrive_count)
+    key, value, header_keys, header_values, park_holds_key, parked_at, dlq_topic, redrive_count, group_id, gated)
 SELECT $1::text, $2::int, $25::int, r.source_offset, r.business_key, coalesce(r.seq, nextval('deferred_message_seq')), r.target_topic,
        coalesce(r.run_at, now() + r.delay_us * interval '1 microsecond'), r.attempt, r.state, r.reason,
        r.error_class, r.error_message, r.origin_id,
        r.key, r.value, coalesce(h.keys, '{}'), coalesce(h.vals, '{}'),
-       r.park_holds_key, CASE WHEN r.state = 'parked' THEN now() END, r.dlq_topic, r.redrive_count
+       r.park_holds_key, CASE WHEN r.state = 'parked' THEN now() END, r.dlq_topic, r.redrive_count, r.group_id,
+       r.gated
 FROM unnest($3::bigint[], $4::text[], $5::bigint[], $6::text[], $7::timestamptz[], $8::bigint[], $9::int[],
             $10::text[], $11::text[], $12::text[], $13::text[], $14::bigint[], $15::bytea[], $16::bytea[],
-            $21::boolean[], $22::text[], $23::int[])
+            $21::boolean[], $22::text[], $23::int[], $28::text[], $29::boolean[])
      WITH ORDINALITY AS r (source_offset, business_key, seq, target_topic, run_at, delay_us, attempt,
                            state, reason, error_class, error_message, origin_id, key, value,
-                           park_holds_key, dlq_topic, redrive_count, record)
+                           park_holds_key, dlq_topic, redrive_count, group_id, gated, record)
 LEFT JOIN headers h ON h.record = r.record
 -- Both are one-time filters, evaluated before the first row is built, so
 -- before the first id and seq are drawn.
@@ -75,9 +78,10 @@ WHERE EXISTS (SELECT FROM position) AND EXISTS (SELECT FROM advanced)
 -- volatile output expressions after the sort).
 ORDER BY r.record
 ON CONFLICT (source_topic, source_partition, source_epoch, source_offset) DO NOTHING
-RETURNING id, seq, state
+RETURNING id, seq, state, gated
 )
 SELECT EXISTS (SELECT FROM position) AS matched, count(*) AS stored,
        count(*) FILTER (WHERE state = 'rejected') AS rejected,
-       count(*) FILTER (WHERE state = 'parked') AS parked, max(id) AS max_id, max(seq) AS max_seq
+       count(*) FILTER (WHERE state = 'parked') AS parked,
+       count(*) FILTER (WHERE state = 'pending' AND gated) AS gated, max(id) AS max_id, max(seq) AS max_seq
 FROM inserted

@@ -14,7 +14,10 @@
 --   - how many keys are held by a parked message (deferred_key.held): they
 --     wait for an operator to replay or delete that message;
 --   - how many parked messages wait for their dead-letter copy to be
---     acknowledged.
+--     acknowledged;
+--   - how many rows deferred_inflight holds (keys republished that their
+--     consumer group has not committed past yet), and how many seconds ago
+--     the oldest was published (0 if none).
 -- With no message at all it returns one row whose target and state are NULL
 -- and counts 0.
 --
@@ -59,9 +62,12 @@ WITH counts AS (
                        AND pid <> pg_backend_pid()), 0)::float8 AS oldest_xact,
            (SELECT count(*) FROM deferred_key WHERE NOT throttled AND next_run_at = 'infinity' AND held) AS held_parked,
            (SELECT count(*) FROM deferred_message
-            WHERE state = 'parked' AND dlq_topic IS NOT NULL AND dlq_published_at IS NULL) AS dlq_unsent
+            WHERE state = 'parked' AND dlq_topic IS NOT NULL AND dlq_published_at IS NULL) AS dlq_unsent,
+           (SELECT count(*) FROM deferred_inflight) AS inflight_keys,
+           coalesce((SELECT extract(epoch FROM now() - min(published_at)) FROM deferred_inflight), 0)::float8
+               AS inflight_oldest
 )
 SELECT c.target_topic, c.state, coalesce(c.messages, 0) AS messages, coalesce(c.due, 0) AS due, k.oldest_due, k.held_keys, k.oldest_xact,
-       k.held_parked, k.dlq_unsent
+       k.held_parked, k.dlq_unsent, k.inflight_keys, k.inflight_oldest
 FROM keys k
 LEFT JOIN counts c ON true

@@ -68,6 +68,8 @@ var (
 	dispatchReapLoopsSQL string
 	//go:embed dispatch_release.sql
 	dispatchReleaseSQL string
+	//go:embed dispatch_release_empty.sql
+	dispatchReleaseEmptySQL string
 	//go:embed dispatch_throttle_sweep.sql
 	dispatchThrottleSweepSQL string
 	//go:embed dlq_back_off.sql
@@ -78,12 +80,18 @@ var (
 	dlqMarkPublishedSQL string
 	//go:embed history_prune.sql
 	historyPruneSQL string
+	//go:embed inflight_partitions.sql
+	inflightPartitionsSQL string
+	//go:embed inflight_release.sql
+	inflightReleaseSQL string
 	//go:embed ingest_insert.sql
 	ingestInsertSQL string
 	//go:embed ingest_position_set.sql
 	ingestPositionSetSQL string
 	//go:embed ingest_positions.sql
 	ingestPositionsSQL string
+	//go:embed key_state.sql
+	keyStateSQL string
 	//go:embed instance_heartbeat.sql
 	instanceHeartbeatSQL string
 	//go:embed instance_leave.sql
@@ -118,14 +126,18 @@ func files() map[string]string {
 		"dispatch_park.sql":           dispatchParkSQL,
 		"dispatch_reap_loops.sql":     dispatchReapLoopsSQL,
 		"dispatch_release.sql":        dispatchReleaseSQL,
+		"dispatch_release_empty.sql":  dispatchReleaseEmptySQL,
 		"dispatch_throttle_sweep.sql": dispatchThrottleSweepSQL,
 		"dlq_back_off.sql":            dlqBackOffSQL,
 		"dlq_claim.sql":               dlqClaimSQL,
 		"dlq_mark_published.sql":      dlqMarkPublishedSQL,
 		"history_prune.sql":           historyPruneSQL,
+		"inflight_partitions.sql":     inflightPartitionsSQL,
+		"inflight_release.sql":        inflightReleaseSQL,
 		"ingest_insert.sql":           ingestInsertSQL,
 		"ingest_position_set.sql":     ingestPositionSetSQL,
 		"ingest_positions.sql":        ingestPositionsSQL,
+		"key_state.sql":               keyStateSQL,
 		"instance_heartbeat.sql":      instanceHeartbeatSQL,
 		"instance_leave.sql":          instanceLeaveSQL,
 		"instance_prune.sql":          instancePruneSQL,
@@ -178,6 +190,7 @@ func Statements() []Statement {
 		st("dispatch_lock_keys.sql", DispatchLockKeysParams{}, nil),
 		st("dispatch_delete.sql", DispatchDeleteParams{}, nil),
 		st("dispatch_park.sql", DispatchParkParams{}, nil),
+		st("dispatch_release_empty.sql", DispatchReleaseEmptyParams{}, nil),
 		st("dispatch_release.sql", DispatchReleaseParams{}, nil),
 		st("dispatch_next_due.sql", NoParams{}, DispatchNextDueRow{}),
 		st("dispatch_throttle_sweep.sql", NoParams{}, DispatchThrottleSweepRow{}),
@@ -196,6 +209,9 @@ func Statements() []Statement {
 		st("dispatch_reap_loops.sql", DispatchReapLoopsParams{}, DispatchReapLoopsRow{}),
 		st("history_prune.sql", HistoryPruneParams{}, HistoryPruneRow{}),
 		st("metrics_backlog.sql", NoParams{}, MetricsBacklogRow{}),
+		st("key_state.sql", KeyStateParams{}, KeyStateRow{}),
+		st("inflight_partitions.sql", NoParams{}, InflightPartitionsRow{}),
+		st("inflight_release.sql", InflightReleaseParams{}, InflightReleaseRow{}),
 	}
 }
 

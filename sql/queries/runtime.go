@@ -109,11 +109,13 @@ type MetricsBacklogRow struct {
 	OldestXactSeconds float64 `db:"oldest_xact"`
 	HeldParked        int64   `db:"held_parked"`
 	DLQUnsent         int64   `db:"dlq_unsent"`
+	InflightKeys      int64   `db:"inflight_keys"`
+	InflightOldest    float64 `db:"inflight_oldest"`
 }
 
 func (r *MetricsBacklogRow) dest() []any {
 	return []any{&r.Target, &r.State, &r.Messages, &r.Due, &r.OldestDueSeconds, &r.HeldKeys, &r.OldestXactSeconds,
-		&r.HeldParked, &r.DLQUnsent}
+		&r.HeldParked, &r.DLQUnsent, &r.InflightKeys, &r.InflightOldest}
 }
 
 // MetricsBacklog reads the backlog gauges (metrics_backlog.sql).

@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
-	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -72,36 +71,50 @@ func accepts(t reflect.Type, pg string) bool {
 }
 
 // shapeProblems compares a statement's Go types with Postgres's description
-// of it and lists every difference.
+// of it and lists every difference, each naming the file, the parameter or
+// column and the Go type, so that a statement edited without its types
+// says what to add where.
 func shapeProblems(s Statement, desc *pgconn.StatementDescription, typeName func(uint32) string) []string {
 	var problems []string
-	params := fields(s.Params)
-	if len(params) != len(desc.ParamOIDs) {
-		problems = append(problems, fmt.Sprintf("%s has %d fields, the statement %d parameters", s.Params.Name(), len(params), len(desc.ParamOIDs)))
+	add := func(format string, args ...any) {
+		problems = append(problems, s.File+": "+fmt.Sprintf(format, args...))
 	}
-	for i := range min(len(params), len(desc.ParamOIDs)) {
-		if pg := typeName(desc.ParamOIDs[i]); !accepts(params[i].Type, pg) {
-			problems = append(problems, fmt.Sprintf("$%d is %s, %s.%s is %s", i+1, pg, s.Params.Name(), params[i].Name, params[i].Type))
+	params := fields(s.Params)
+	for i, oid := range desc.ParamOIDs {
+		if i >= len(params) {
+			add("$%d (%s) has no field in %s, which has %d", i+1, typeName(oid), s.Params.Name(), len(params))
+			continue
+		}
+		if pg := typeName(oid); !accepts(params[i].Type, pg) {
+			add("$%d is %s, %s.%s is %s", i+1, pg, s.Params.Name(), params[i].Name, params[i].Type)
 		}
 	}
+	for _, f := range params[min(len(params), len(desc.ParamOIDs)):] {
+		add("%s.%s has no parameter: the statement has %d", s.Params.Name(), f.Name, len(desc.ParamOIDs))
+	}
 	if s.Row == nil {
-		if len(desc.Fields) != 0 {
-			problems = append(problems, fmt.Sprintf("the statement returns %d columns and has no Row type", len(desc.Fields)))
+		for i, col := range desc.Fields {
+			add("column %d %q (%s) has no Row type to go to", i+1, col.Name, typeName(col.DataTypeOID))
 		}
 		return problems
 	}
 	cols := fields(s.Row)
-	if len(cols) != len(desc.Fields) {
-		problems = append(problems, fmt.Sprintf("%s has %d fields, the statement %d columns", s.Row.Name(), len(cols), len(desc.Fields)))
-	}
-	for i := range min(len(cols), len(desc.Fields)) {
-		col, f := desc.Fields[i], cols[i]
+	for i, col := range desc.Fields {
+		pg := typeName(col.DataTypeOID)
+		if i >= len(cols) {
+			add("column %d %q (%s) has no field in %s, which has %d", i+1, col.Name, pg, s.Row.Name(), len(cols))
+			continue
+		}
+		f := cols[i]
 		if tag := f.Tag.Get("db"); tag != col.Name {
-			problems = append(problems, fmt.Sprintf("column %d is %q, %s.%s is tagged %q", i+1, col.Name, s.Row.Name(), f.Name, tag))
+			add("column %d is %q, %s.%s is tagged %q", i+1, col.Name, s.Row.Name(), f.Name, tag)
 		}
-		if pg := typeName(col.DataTypeOID); !accepts(f.Type, pg) {
-			problems = append(problems, fmt.Sprintf("column %q is %s, %s.%s is %s", col.Name, pg, s.Row.Name(), f.Name, f.Type))
+		if !accepts(f.Type, pg) {
+			add("column %q is %s, %s.%s is %s", col.Name, pg, s.Row.Name(), f.Name, f.Type)
 		}
+	}
+	for _, f := range cols[min(len(cols), len(desc.Fields)):] {
+		add("%s.%s (%q) has no column: the statement returns %d", s.Row.Name(), f.Name, f.Tag.Get("db"), len(desc.Fields))
 	}
 	return problems
 }
@@ -225,6 +238,10 @@ func TestShapeCheckFindsMistakes(t *testing.T) {
 	type oneCol struct {
 		N int64 `db:"n"`
 	}
+	type twoCols struct {
+		M int64 `db:"m"`
+		N int64 `db:"n"`
+	}
 	type wrongName struct {
 		N int64 `db:"m"`
 	}
@@ -239,11 +256,14 @@ func TestShapeCheckFindsMistakes(t *testing.T) {
 		want   string
 	}{
 		{"right", "SELECT $1::bigint + $2::bigint AS n", twoInts{}, oneCol{}, ""},
-		{"a parameter too few", "SELECT $1::bigint + $2::bigint + $3::bigint AS n", twoInts{}, oneCol{}, "has 2 fields, the statement 3 parameters"},
+		{"a parameter too few", "SELECT $1::bigint + $2::bigint + $3::bigint AS n", twoInts{}, oneCol{}, "a parameter too few: $3 (int8) has no field in twoInts, which has 2"},
+		{"a parameter too many", "SELECT $1::bigint AS n", twoInts{}, oneCol{}, "twoInts.B has no parameter: the statement has 1"},
 		{"a parameter's type", "SELECT $1::bigint + $2::bigint AS n", textThenInt{}, oneCol{}, "$1 is int8, textThenInt.A is string"},
 		{"a column's name", "SELECT $1::bigint + $2::bigint AS n", twoInts{}, wrongName{}, `column 1 is "n", wrongName.N is tagged "m"`},
 		{"a column's type", "SELECT $1::bigint + $2::bigint AS n", twoInts{}, wrongType{}, `column "n" is int8, wrongType.N is string`},
-		{"a column without a Row", "SELECT $1::bigint + $2::bigint AS n", twoInts{}, nil, "returns 1 columns and has no Row type"},
+		{"a column too many", "SELECT $1::bigint + $2::bigint AS n, 1::int AS m", twoInts{}, oneCol{}, `column 2 "m" (int4) has no field in oneCol, which has 1`},
+		{"a column too few", "SELECT $1::bigint + $2::bigint AS m", twoInts{}, twoCols{}, `twoCols.N ("n") has no column: the statement returns 1`},
+		{"a column without a Row", "SELECT $1::bigint + $2::bigint AS n", twoInts{}, nil, `column 1 "n" (int8) has no Row type to go to`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -310,13 +330,21 @@ func TestEveryFileIsAStatement(t *testing.T) {
 			t.Errorf("%s: listed without text", s.File)
 		}
 	}
-	sort.Strings(onDisk)
-	sort.Strings(embedded)
-	sort.Strings(listed)
-	if !slices.Equal(onDisk, embedded) {
-		t.Errorf("files on disk %v, embedded %v", onDisk, embedded)
+	for _, name := range onDisk {
+		if !slices.Contains(embedded, name) {
+			t.Errorf("%s is not embedded: add a //go:embed variable and its entry in files (queries.go)", name)
+		}
+		if !slices.Contains(listed, name) {
+			t.Errorf("%s has no entry in Statements: give it its Params and Row types and list them there", name)
+		}
 	}
-	if !slices.Equal(onDisk, listed) {
-		t.Errorf("files on disk %v, in Statements %v", onDisk, listed)
+	for _, name := range embedded {
+		if !slices.Contains(onDisk, name) {
+			t.Errorf("%s is embedded but not a file here", name)
+		}
+	}
+	slices.Sort(listed)
+	if dup := slices.Compact(slices.Clone(listed)); len(dup) != len(listed) {
+		t.Errorf("Statements lists a file more than once: %v", listed)
 	}
 }

@@ -2,8 +2,9 @@
 --
 -- What, for the roles roles.sql created:
 --   - the operator may UPDATE and DELETE deferred_message (expedite, park,
---     replay, fix a rejected row; cancel) and INSERT and UPDATE
---     target_control (pause, resume, limit); nothing else besides reading;
+--     replay, fix a rejected row; cancel), INSERT and UPDATE
+--     target_control (pause, resume, limit) and DELETE deferred_inflight
+--     (release a consumer group's keys); nothing else besides reading;
 --   - the service only reads the migration bookkeeping (scheduler_migration,
 --     river_migration): only `scheduler migrate`, as the owner, writes it;
 --   - the triggers on deferred_message and target_control that keep
@@ -19,6 +20,8 @@
 --     sequences past what it has seen after the database went back in
 --     time, run as the owner too, with their search_path pinned the same
 --     way;
+--   - the service and the operator may call deferred_key_state, the
+--     key-state query, and read deferred_inflight, which it reads;
 --   - objects the owner had before roles.sql set its default privileges (a
 --     database migrated before the roles existed, then handed to the owner)
 --     get the same grants as new ones.
@@ -74,6 +77,23 @@ ORDER BY c.relname \gexec
 -- stays.
 GRANT UPDATE, DELETE ON :"schema".deferred_message TO :"operator";
 GRANT INSERT, UPDATE ON :"schema".target_control TO :"operator";
+-- deferred_inflight: the service inserts and moves a key's row at finalize
+-- (dispatch_delete.sql) and deletes it once the key's consumer group has
+-- committed past it (the grant above gives it that already; named here
+-- because the key-state query is wrong without it). The operator deletes
+-- the rows of a group that will never commit (deleted, renamed, stuck):
+-- release_inflight.sql and `scheduler release`.
+GRANT SELECT, INSERT, UPDATE, DELETE ON :"schema".deferred_inflight TO :"service";
+GRANT DELETE ON :"schema".deferred_inflight TO :"operator";
+
+-- The key-state query (POST /v1/key-state; operators call it by hand)
+-- is deferred_key_state, which runs as its caller (not SECURITY DEFINER)
+-- and so reads deferred_message and deferred_inflight with the caller's
+-- rights. PUBLIC may execute functions and roles.sql's default privileges
+-- give the rest; by name, it keeps working where an administrator revoked
+-- that, or the objects predate roles.sql.
+GRANT EXECUTE ON FUNCTION :"schema".deferred_key_state(text, text[]) TO :"service", :"operator";
+GRANT SELECT ON :"schema".deferred_inflight TO :"service", :"operator";
 
 -- Only `scheduler migrate` writes the migration bookkeeping.
 REVOKE INSERT, UPDATE, DELETE ON :"schema".scheduler_migration, :"schema".river_migration FROM :"service";
@@ -81,14 +101,16 @@ REVOKE INSERT, UPDATE, DELETE ON :"schema".scheduler_migration, :"schema".river_
 -- The AFTER triggers of the tables the operator writes keep derived state:
 -- those of deferred_message write deferred_key and deferred_attempt, those
 -- of target_control flag the heads of a paused or rate-limited target in
--- deferred_key. Trigger functions run as the role whose statement fired
+-- deferred_key, and those of deferred_inflight release the lease of a key
+-- that leaves flight. Trigger functions run as the role whose statement fired
 -- them, so without this the operator would need to be allowed to write
 -- those tables directly. BEFORE triggers only adjust the row being written
 -- and stay as they are: they run once per row, and a SECURITY DEFINER call
 -- costs a little more than a plain one.
 SELECT DISTINCT format('ALTER FUNCTION %s SECURITY DEFINER SET search_path = %I, pg_temp', t.tgfoid::regprocedure, :'schema')
 FROM pg_trigger t
-WHERE t.tgrelid IN (format('%I.deferred_message', :'schema')::regclass, format('%I.target_control', :'schema')::regclass)
+WHERE t.tgrelid IN (format('%I.deferred_message', :'schema')::regclass, format('%I.target_control', :'schema')::regclass,
+                    format('%I.deferred_inflight', :'schema')::regclass)
   AND NOT t.tgisinternal
   AND t.tgtype & 2 = 0 -- not BEFORE
 \gexec

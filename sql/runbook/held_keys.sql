@@ -14,6 +14,13 @@
 --                milliseconds; one that stays means a slow or stuck publish,
 --                and one left by a crashed process expires after
 --                LEASE_DURATION.
+--   in_flight    leased 'in-flight': the scheduler republished a message of
+--                the key that named a consumer group, which has not committed
+--                past it yet (deferred_inflight); the key moves on about a
+--                second after it does. One that stays means a group that
+--                stopped committing: inflight.sql names it, and
+--                release_inflight.sql lets its keys go. Its leased_until
+--                ('infinity') is shown empty. head_id 0: no message waits.
 -- With the head message of each: id, seq, target, due time (empty for a
 -- parked head: it never comes due), attempt and error class, and how many
 -- pending messages of the key wait behind it. Unordered messages appear with
@@ -26,14 +33,16 @@
 SELECT k.business_key,
        CASE WHEN k.held THEN 'parked'
             WHEN k.failures > 0 THEN 'backing_off'
+            WHEN k.leased_by = 'in-flight' THEN 'in_flight'
             ELSE 'leased'
        END AS kind,
        CASE WHEN k.held THEN 'held by parked message ' || k.head_id
             WHEN k.failures > 0 THEN 'backing off after ' || k.failures || ' failed publish(es)'
+            WHEN k.leased_by = 'in-flight' THEN 'waiting for its consumer group to commit past the republished record'
             ELSE 'leased by ' || coalesce(k.leased_by, 'no one')
        END AS why,
        k.failures,
-       k.leased_until,
+       CASE WHEN k.leased_until < 'infinity' THEN k.leased_until END AS leased_until,
        k.leased_by,
        k.head_id,
        m.seq AS head_seq,

@@ -1,10 +1,11 @@
 // Package runbook embeds the operator runbook: one SQL file per operator task
 // (backlog, next due, held keys, a message's story and history, expedite,
 // cancel, park, the parking lot and replay, per-target pause and rate
-// limits), each meant to be run as is with psql. The scheduler's operator
-// commands (scheduler status, ls, show, held, expedite, cancel, park, replay,
-// pause, resume, limit, targets) run the same files, so what an operator
-// reads in the runbook is what the CLI does.
+// limits, the keys in flight for consumer groups and their release), each
+// meant to be run as is with psql. The scheduler's operator commands
+// (scheduler status, ls, show, held, expedite, cancel, park, replay, pause,
+// resume, limit, targets, inflight, release) run the same files, so what an
+// operator reads in the runbook is what the CLI does.
 //
 // Each file starts with a comment header saying what it does, when to use it
 // and how to call it. Parameters are psql variables, :'name' for text and

@@ -87,6 +87,14 @@ CREATE TABLE deferred_message (
     -- was stored: part of the source coordinates, so that a record at an
     -- offset Kafka reused after going back in time is not taken for a copy.
     source_epoch     int NOT NULL DEFAULT 0,
+    -- The consumer group that deferred the record (defer.group): the
+    -- key-state query answers per group, and a key this group's message
+    -- was republished on stays blocked for the group until it committed
+    -- past the record (deferred_inflight). NULL: no group named.
+    group_id         text,
+    -- The consumer did not try the record: its key was blocked and it was
+    -- deferred behind the blocking message (defer.gated). Not a failure.
+    gated            boolean NOT NULL DEFAULT false,
 
     CONSTRAINT deferred_message_state_valid
         CHECK (state IN ('pending', 'parked', 'rejected')),
@@ -118,6 +126,11 @@ CREATE INDEX deferred_message_key_order
     ON deferred_message (business_key, seq, id)
     WHERE state = 'pending' OR (state = 'parked' AND park_holds_key);
 
+-- A rejected message of a consumer group blocks its key for the group as a
+-- pending one does (functions/deferred_key_state.sql); rejected rows are
+-- few.
+CREATE INDEX deferred_message_rejected_key ON deferred_message (business_key) WHERE state = 'rejected';
+
 -- Operators look at what is not flowing; those rows are few.
 CREATE INDEX deferred_message_not_pending
     ON deferred_message (state, target_topic) WHERE state <> 'pending';
@@ -136,7 +149,12 @@ CREATE INDEX deferred_message_dlq_unsent
 -- with the lowest (seq, id), due or not. Dispatch claims due heads from
 -- here, so a key whose head is not due costs nothing per poll however many
 -- messages wait behind it. Derived: written only by the triggers of
--- deferred_message and target_control.
+-- deferred_message and target_control (and by finalize and maintenance,
+-- which remove emptied rows). An emptied row (head_id 0, head_seq the
+-- largest bigint, next_run_at 'infinity') is a key whose last waiting
+-- message went while a dispatcher held its lease: it keeps the lease until
+-- the holder releases it, so that a message arriving meanwhile becomes its
+-- head under that lease rather than a free key another holder could claim.
 CREATE TABLE deferred_key (
     business_key text,          -- NULL: the head is an unordered message
     head_id      bigint NOT NULL,
@@ -194,8 +212,11 @@ CREATE TABLE deferred_attempt (
     id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     lineage_id    bigint NOT NULL,
     message_id    bigint NOT NULL,
-    -- deferred: stored pending; parked / rejected: stored or moved there;
-    -- replayed: moved from parked or rejected back to pending.
+    -- deferred: stored pending; gated: stored pending behind a blocked key
+    -- without being tried (deferred_message.gated); parked / rejected:
+    -- stored or moved there; replayed: moved from parked or rejected back
+    -- to pending; published: delivered to its target (partition and
+    -- record_offset say where) and deleted.
     event         text NOT NULL,
     attempt       int NOT NULL,
     reason        text,
@@ -204,9 +225,12 @@ CREATE TABLE deferred_attempt (
     target_topic  text,
     next_run_at   timestamptz,
     recorded_at   timestamptz NOT NULL DEFAULT now(),
+    -- published: where the broker put the record.
+    partition     int,
+    record_offset bigint,
 
     CONSTRAINT deferred_attempt_event_valid
-        CHECK (event IN ('deferred', 'parked', 'rejected', 'replayed'))
+        CHECK (event IN ('deferred', 'gated', 'parked', 'rejected', 'replayed', 'published'))
 );
 
 COMMENT ON TABLE deferred_attempt IS
@@ -218,6 +242,39 @@ CREATE INDEX deferred_attempt_message ON deferred_attempt (message_id, id);
 -- Rows arrive in time order, so a BRIN index serves retention pruning at
 -- almost no cost per insert.
 CREATE INDEX deferred_attempt_recorded ON deferred_attempt USING brin (recorded_at);
+
+-- ---------------------------------------------------------------------------
+-- deferred_inflight: keys a consumer group has not committed past yet. When
+-- the scheduler publishes a message that names a group (defer.group), the
+-- finalize that deletes it records here the record's partition and offset
+-- in its target, per group, business key and partition (the last one
+-- published wins). The key stays blocked for the group's key-state queries
+-- until the group's committed offset in that partition passes the record;
+-- the scheduler reads committed offsets about once a second and deletes
+-- what they passed. An operator releases a key by deleting its rows.
+CREATE TABLE deferred_inflight (
+    group_id      text NOT NULL,
+    business_key  text NOT NULL,
+    target_topic  text NOT NULL,
+    partition     int NOT NULL,
+    -- The offset of the key's last record the scheduler published there:
+    -- the key is released once the group's committed offset is past it.
+    record_offset bigint NOT NULL,
+    message_id    bigint NOT NULL,
+    seq           bigint NOT NULL,
+    published_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (group_id, business_key, target_topic, partition)
+);
+
+COMMENT ON TABLE deferred_inflight IS
+    'Keys a consumer group has not committed past yet: the last record of each republished to each target partition. Released by the scheduler once the group commits; DELETE releases a key by hand.';
+
+-- The release reads and deletes by group and partition, below an offset.
+CREATE INDEX deferred_inflight_partition ON deferred_inflight (group_id, target_topic, partition, record_offset);
+
+-- The release of a key (functions/deferred_inflight_after_delete.sql) looks
+-- for what is left of it in flight, whatever the group.
+CREATE INDEX deferred_inflight_key ON deferred_inflight (business_key);
 
 -- ---------------------------------------------------------------------------
 -- scheduler_instance: live scheduler processes. Each heartbeats every

@@ -143,6 +143,12 @@ type Ingester struct {
 	reread     chan struct{}
 	sessReread chan struct{}
 
+	// partitions is the defer topic's partition count, read by Setup; 0
+	// when unknown. misroutedAt is when the last warning about records on
+	// the wrong partition was logged (Unix nanoseconds).
+	partitions  atomic.Int32
+	misroutedAt atomic.Int64
+
 	// afterStore, when set (tests), runs after a batch is committed to the
 	// database and before its offsets are marked; an error ends the claim
 	// there, as a crash would.
@@ -272,6 +278,11 @@ func (in *Ingester) Setup(sess sarama.ConsumerGroupSession) error {
 	topicID, err := in.cfg.Log.TopicID(topic)
 	if err != nil {
 		return err
+	}
+	if n, err := in.cfg.Log.Partitions(topic); err == nil {
+		in.partitions.Store(n)
+	} else {
+		in.partitions.Store(0) // the misrouting check is skipped; nothing else needs it
 	}
 	committed, err := in.cfg.Log.Committed(in.cfg.Group, topic)
 	if err != nil {
@@ -717,6 +728,7 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 		entries[i] = prepare(m.Offset, rec, in.cfg.Rules, start, in.cfg.Rand)
 	}
 	next := msgs[len(msgs)-1].Offset + 1
+	in.checkRouting(topic, partition, entries)
 
 	// done counts the entries stored; the rest are retried after pos, which
 	// moves with them (storeEach stores some and may then fail).
@@ -789,8 +801,9 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 	// parking lot.
 	in.cfg.Metrics.IngestBatch(int(n.Stored-n.Rejected), len(msgs)-int(n.Stored), int(n.Rejected), byCode, took)
 	in.cfg.Metrics.IngestParked(parkedBy)
+	in.cfg.Metrics.IngestGated(n.Gated)
 	attrs := []any{"topic", topic, "partition", partition,
-		"records", len(msgs), "stored", n.Stored, "rejected", n.Rejected, "parked", n.Parked,
+		"records", len(msgs), "stored", n.Stored, "rejected", n.Rejected, "parked", n.Parked, "gated", n.Gated,
 		"duplicates", int64(len(msgs)) - n.Stored,
 		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", took}
 	// Codes only: the rows hold the details, and a batch of bad records
@@ -805,9 +818,52 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 	return next, nil
 }
 
+// checkRouting counts, and at most every ten seconds logs, the records of
+// a batch read from a partition other than the one their business key
+// hashes to (Java-compatible murmur2, as the client library and a producer
+// keying records by their business key choose). Records of one business
+// key on several partitions are read in no particular order among
+// themselves, so their key's order is lost before ingest: nothing else
+// would say so (docs/design.md section 23.4). They are stored as usual.
+// Keys are never logged: the offset of the first such record finds it.
+func (in *Ingester) checkRouting(topic string, partition int32, entries []Entry) {
+	n := in.partitions.Load()
+	if n <= 0 {
+		return
+	}
+	var count int
+	var first int64
+	var want int32
+	for i := range entries {
+		sc := &entries[i].Schedule
+		p := int32(-1)
+		if sc.Ordered {
+			p = protocol.Partition([]byte(sc.BusinessKey), n)
+		}
+		if p < 0 || p == partition {
+			continue
+		}
+		if count == 0 {
+			first, want = entries[i].Offset, p
+		}
+		count++
+	}
+	if count == 0 {
+		return
+	}
+	in.cfg.Metrics.IngestMisrouted(count)
+	now := in.now().UnixNano()
+	if last := in.misroutedAt.Load(); now-last >= int64(10*time.Second) && in.misroutedAt.CompareAndSwap(last, now) {
+		in.logger.Warn("records read from a partition other than their business key's: the order of their keys is not kept across partitions; produce each to the partition of its business key (deferclient does, as does keying the record by its business key)",
+			"topic", topic, "partition", partition, "records", count,
+			"first_offset", first, "its_key_partition", want)
+	}
+}
+
 // add returns the sum of two counts.
 func (n Inserted) add(o Inserted) Inserted {
-	return Inserted{Stored: n.Stored + o.Stored, Rejected: n.Rejected + o.Rejected, Parked: n.Parked + o.Parked}
+	return Inserted{Stored: n.Stored + o.Stored, Rejected: n.Rejected + o.Rejected, Parked: n.Parked + o.Parked,
+		Gated: n.Gated + o.Gated}
 }
 
 // storedByUs reports whether the stored position is the one storing entries

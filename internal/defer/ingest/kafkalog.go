@@ -23,6 +23,8 @@ type PartitionLog interface {
 	// committed with them, for every partition of topic; a partition with
 	// none is absent.
 	Committed(group, topic string) (map[int32]CommittedOffset, error)
+	// Partitions returns how many partitions topic has.
+	Partitions(topic string) (int32, error)
 }
 
 // CommittedOffset is a consumer group's committed offset of one partition
@@ -72,6 +74,17 @@ func (l kafkaLog) TopicID(topic string) (string, error) {
 		return t.Uuid.String(), nil
 	}
 	return "", fmt.Errorf("topic id of %s: the broker's metadata does not list the topic", topic)
+}
+
+func (l kafkaLog) Partitions(topic string) (int32, error) {
+	if l.client == nil {
+		return 0, errors.New("no Kafka client")
+	}
+	parts, err := l.client.Partitions(topic)
+	if err != nil {
+		return 0, fmt.Errorf("partitions of %s: %w", topic, err)
+	}
+	return int32(len(parts)), nil
 }
 
 func (l kafkaLog) Committed(group, topic string) (map[int32]CommittedOffset, error) {

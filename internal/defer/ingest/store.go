@@ -64,6 +64,9 @@ type Inserted struct {
 	Stored int64
 	// Rejected and Parked count the new rows stored in those states.
 	Rejected, Parked int64
+	// Gated counts the new rows stored pending behind a blocked key
+	// (defer.gated).
+	Gated int64
 }
 
 // Store writes batches of entries to deferred_message.
@@ -122,6 +125,8 @@ func (s *Store) Insert(ctx context.Context, pos Position, entries []Entry) (Inse
 		holds    = make([]bool, n)
 		dlqs     = make(pgtype.FlatArray[*string], n)
 		redrives = make([]int32, n)
+		groups   = make(pgtype.FlatArray[*string], n)
+		gated    = make([]bool, n)
 	)
 	for i := range entries {
 		e := &entries[i]
@@ -167,6 +172,10 @@ func (s *Store) Insert(ctx context.Context, pos Position, entries []Entry) (Inse
 			}
 		}
 		redrives[i] = sc.RedriveCount
+		if sc.Group != "" {
+			groups[i] = &sc.Group
+		}
+		gated[i] = sc.Gated
 		if sc.ErrorClass != "" {
 			classes[i] = &sc.ErrorClass
 		}
@@ -193,7 +202,7 @@ func (s *Store) Insert(ctx context.Context, pos Position, entries []Entry) (Inse
 		ErrorClasses: classes, ErrorMessages: messages, OriginIDs: origins, Keys: keys, Values: values,
 		HeaderRecords: hRecord, HeaderKeys: hKeys, HeaderValues: hValues, NextOffset: offsets[n-1] + 1,
 		HoldsKey: holds, DLQTopics: dlqs, RedriveCounts: redrives, ExpectedNext: pos.Next, Epoch: pos.Epoch,
-		MinID: minID, MinSeq: minSeq,
+		MinID: minID, MinSeq: minSeq, Groups: groups, Gated: gated,
 	})
 	if err != nil {
 		return Inserted{}, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
@@ -206,7 +215,7 @@ func (s *Store) Insert(ctx context.Context, pos Position, entries []Entry) (Inse
 	if row.MaxID != nil && row.MaxSeq != nil {
 		s.marks.Observe(*row.MaxID, *row.MaxSeq)
 	}
-	return Inserted{Stored: row.Stored, Rejected: row.Rejected, Parked: row.Parked}, nil
+	return Inserted{Stored: row.Stored, Rejected: row.Rejected, Parked: row.Parked, Gated: row.Gated}, nil
 }
 
 // String renders pos for logs and errors.

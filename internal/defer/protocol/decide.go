@@ -57,7 +57,9 @@ type Decision struct {
 // the resolved rules.Policies (never nil); cls is rules.Classifier; rnd
 // draws the policy's jitter, uniform in [0, 1).
 //
-// In this order: an error class not worth retrying parks the record; else
+// A gated record (defer.gated) is pending at the time it asked for, or at
+// once; it is never parked. Otherwise, in this order: an error class not
+// worth retrying parks the record; else
 // a record whose retries are exhausted under its target's policy is parked;
 // else it is pending, at the time it asked for or, when it asked for none,
 // after the policy's delay. Whatever the outcome, the policy's key and
@@ -71,6 +73,12 @@ func Decide(s *Schedule, set *policy.Set, cls policy.Classifier, rnd func() floa
 	// no one. The parked row is what matters, so it goes without a copy.
 	if d.DLQTopic != "" && !ValidTopic(d.DLQTopic) {
 		d.DLQTopic = ""
+	}
+	if s.Gated {
+		// Not a failure: the consumer never tried the record. It waits
+		// behind its key's blocking message, with no delay of its own
+		// unless it asked for one, and no retry is counted against it.
+		return d
 	}
 	if code, detail := cls.Classify(s.ErrorClass); code != "" {
 		d.Park = &ParkReason{Code: code, Detail: detail}

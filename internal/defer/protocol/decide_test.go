@@ -83,6 +83,19 @@ func TestDecide(t *testing.T) {
 			want:     Decision{Delay: 5 * time.Second, DLQTopic: payDLQ},
 		},
 
+		// A gated record was never tried: neither its class nor its
+		// attempts can park it, and it takes no delay of the policy's.
+		{
+			name:     "gated with a permanent class is pending",
+			schedule: pay(Schedule{ErrorClass: "permanent", Gated: true, FromPolicy: true}),
+			want:     Decision{DLQTopic: payDLQ},
+		},
+		{
+			name:     "gated past the retries is pending",
+			schedule: pay(Schedule{Attempt: 9, Gated: true, FromPolicy: true}),
+			want:     Decision{DLQTopic: payDLQ},
+		},
+
 		// The ladder: one step per retry, then exhausted.
 		{
 			name:     "ladder first step",

@@ -60,7 +60,24 @@ const (
 	// defer.source, 64 lowercase hex digits (see Sign). The scheduler drops
 	// it on output: the schedule headers it covers are rewritten there.
 	HeaderSignature = "defer.signature"
+	// HeaderGroup names the consumer group that handles the record when it
+	// comes back (1 to 255 bytes of text): after the scheduler republished
+	// the last message of its business key, it keeps the key blocked, for
+	// that group's key-state queries, until the group's committed offset
+	// passed the republished record (docs/design.md section 23). It is
+	// carried through to the output.
+	HeaderGroup = "defer.group"
+	// HeaderGated, "true", marks a record a consumer did not try: its key
+	// was blocked, and the consumer deferred it behind the blocking message
+	// instead of handling it. It is not a failure: the row says gated, and
+	// the consumer sends the attempt it had, not one more. It is dropped
+	// on output.
+	HeaderGated = "defer.gated"
 )
+
+// MaxGroupBytes is the longest defer.group a record may name: Kafka's own
+// limit on a group id is the broker's, this keeps a stored one sane.
+const MaxGroupBytes = 255
 
 // Header is one Kafka record header, as on the wire.
 type Header struct {
@@ -170,6 +187,12 @@ type Schedule struct {
 	// Source is defer.source, the producing service whose key signs the
 	// record; "" if absent.
 	Source string
+	// Group is defer.group, the consumer group whose committed offset
+	// releases the key after the message is republished; "" if absent.
+	Group string
+	// Gated is defer.gated: the consumer did not try the record, it
+	// deferred it behind a blocked key.
+	Gated bool
 }
 
 // Rejection codes. They are metric label values and are queried by
@@ -192,6 +215,8 @@ const (
 	codeInvalidSeq          = "invalid_seq"
 	codeInvalidRedriveCount = "invalid_redrive_count"
 	codeInvalidSource       = "invalid_source"
+	codeInvalidGroup        = "invalid_group"
+	codeInvalidGated        = "invalid_gated"
 )
 
 // RejectError says why a record cannot be scheduled.
@@ -227,6 +252,8 @@ const (
 	ctlRedriveCount
 	ctlSource
 	ctlSignature
+	ctlGroup
+	ctlGated
 	numControl
 )
 
@@ -243,6 +270,8 @@ var controlNames = [numControl]string{
 	ctlRedriveCount: HeaderRedriveCount,
 	ctlSource:       HeaderSource,
 	ctlSignature:    HeaderSignature,
+	ctlGroup:        HeaderGroup,
+	ctlGated:        HeaderGated,
 }
 
 // controlOf returns the control header named key. HeaderScheduledAt is not
@@ -273,6 +302,10 @@ func controlOf(key []byte) (control, bool) {
 		return ctlSource, true
 	case HeaderSignature:
 		return ctlSignature, true
+	case HeaderGroup:
+		return ctlGroup, true
+	case HeaderGated:
+		return ctlGated, true
 	}
 	return 0, false
 }
@@ -300,6 +333,8 @@ func controlOf(key []byte) (control, bool) {
 //  6. invalid_attempt, invalid_id, invalid_seq, invalid_redrive_count, in
 //     that order.
 //  7. invalid_source: defer.source is not 1 to 128 of [A-Za-z0-9._-].
+//  8. invalid_group: defer.group is empty or longer than MaxGroupBytes;
+//     invalid_gated: defer.gated is not "true" or "false".
 //
 // Parse only validates: rules.Policies, rules.Classifier and rules.Signing
 // play no part in it. Signatures are checked after Parse accepted a record
@@ -460,6 +495,23 @@ func Parse(rec Record, rules Rules, now time.Time) (Schedule, error) {
 		} else {
 			rej.addf(codeInvalidSource, "%s %s is not 1 to %d of [A-Za-z0-9._-]",
 				HeaderSource, quote(val[ctlSource]), MaxSourceBytes)
+		}
+	}
+
+	if count[ctlGroup] > 0 && text[ctlGroup] {
+		if n := len(val[ctlGroup]); n > 0 && n <= MaxGroupBytes {
+			s.Group = string(val[ctlGroup])
+		} else {
+			rej.addf(codeInvalidGroup, "%s %s is not 1 to %d bytes", HeaderGroup, quote(val[ctlGroup]), MaxGroupBytes)
+		}
+	}
+	if count[ctlGated] > 0 && text[ctlGated] {
+		switch string(val[ctlGated]) {
+		case "true":
+			s.Gated = true
+		case "false":
+		default:
+			rej.addf(codeInvalidGated, "%s %s is not true or false", HeaderGated, quote(val[ctlGated]))
 		}
 	}
 

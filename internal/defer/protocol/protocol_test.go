@@ -613,6 +613,37 @@ func TestParse(t *testing.T) {
 			detail: []string{HeaderSource, `"billing svc"`},
 		},
 		{
+			name: "group and gated kept",
+			rec:  Record{Headers: base(HeaderGroup, "payments", HeaderGated, "true")},
+			want: Schedule{Target: "orders.created", Delay: 30 * time.Second, Group: "payments", Gated: true},
+		},
+		{
+			name: "gated false, longest group",
+			rec:  Record{Headers: base(HeaderGroup, strings.Repeat("g", MaxGroupBytes), HeaderGated, "false")},
+			want: Schedule{Target: "orders.created", Delay: 30 * time.Second, Group: strings.Repeat("g", MaxGroupBytes)},
+		},
+		{
+			name:   "invalid_group: empty",
+			rec:    Record{Headers: base(HeaderGroup, "")},
+			want:   delayed,
+			code:   codeInvalidGroup,
+			detail: []string{HeaderGroup, `""`, "1 to 255 bytes"},
+		},
+		{
+			name:   "invalid_group: too long",
+			rec:    Record{Headers: base(HeaderGroup, strings.Repeat("g", MaxGroupBytes+1))},
+			want:   delayed,
+			code:   codeInvalidGroup,
+			detail: []string{HeaderGroup, "(256 bytes)"},
+		},
+		{
+			name:   "invalid_gated",
+			rec:    Record{Headers: base(HeaderGated, "yes")},
+			want:   delayed,
+			code:   codeInvalidGated,
+			detail: []string{HeaderGated, `"yes"`, "true or false"},
+		},
+		{
 			name:   "invalid_encoding: source",
 			rec:    Record{Headers: base(HeaderSource, "billing\xff")},
 			want:   delayed,
@@ -831,7 +862,7 @@ func testCodes() []string {
 		codeMissingTarget, codeInvalidTarget, codeTargetNotAllowed,
 		codeConflictingSchedule, codeInvalidAt, codeInvalidDelay, codeDelayTooLong,
 		codeKeyTooLong, codeInvalidAttempt, codeInvalidID, codeInvalidSeq, codeInvalidRedriveCount,
-		codeInvalidSource,
+		codeInvalidSource, codeInvalidGroup, codeInvalidGated,
 	}
 }
 

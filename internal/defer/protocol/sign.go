@@ -338,6 +338,20 @@ func (s *Signing) Sources() []string {
 // Required reports whether every record must be signed.
 func (s *Signing) Required() bool { return s != nil && s.required }
 
+// Keys returns a copy of the signing keys, by source: the key-state query
+// authenticates a source's requests with the key that signs its records.
+// Nil for a nil Signing.
+func (s *Signing) Keys() map[string][]byte {
+	if s == nil {
+		return nil
+	}
+	out := make(map[string][]byte, len(s.keys))
+	for src, k := range s.keys {
+		out[src] = slices.Clone(k)
+	}
+	return out
+}
+
 // enabled reports whether signatures are checked at all.
 func (s *Signing) enabled() bool { return s != nil && (len(s.keys) > 0 || s.required) }
 

@@ -121,6 +121,29 @@ type (
 		Target  Target `json:"target"`
 		Note    string `json:"note"`
 	}
+	// Inflight is a key in flight for a consumer group as inflight and
+	// release print it.
+	Inflight struct {
+		GroupID      string  `json:"group_id"`
+		BusinessKey  string  `json:"business_key"`
+		TargetTopic  string  `json:"target_topic"`
+		Partition    int32   `json:"partition"`
+		RecordOffset int64   `json:"record_offset"`
+		MessageID    int64   `json:"message_id"`
+		Seq          int64   `json:"seq"`
+		PublishedAt  string  `json:"published_at"`
+		AgeSeconds   float64 `json:"age_seconds"`
+	}
+	// Release is what release prints: the keys released, or with --dry-run
+	// those that match.
+	Release struct {
+		Group    string     `json:"group"`
+		Key      *string    `json:"key"`
+		DryRun   bool       `json:"dry_run"`
+		Matched  int        `json:"matched"`
+		Released int        `json:"released"`
+		Keys     []Inflight `json:"keys"`
+	}
 )
 
 // Decode parses out as T, failing the test if it is not JSON.

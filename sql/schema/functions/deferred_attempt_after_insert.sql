@@ -16,7 +16,7 @@ BEGIN
                          WHERE a.message_id = n.origin_id ORDER BY a.message_id, a.id LIMIT 1)
                     END, n.origin_id, n.id),
            n.id,
-           CASE n.state WHEN 'pending' THEN 'deferred' ELSE n.state END,
+           CASE WHEN n.state <> 'pending' THEN n.state WHEN n.gated THEN 'gated' ELSE 'deferred' END,
            n.attempt, n.reason, n.error_class, n.error_message, n.target_topic, n.next_run_at
     FROM new_rows n
     ORDER BY n.id;

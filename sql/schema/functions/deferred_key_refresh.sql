@@ -16,6 +16,17 @@
 -- key; a held head's next_run_at is 'infinity'; throttled is set as in
 -- deferred_key_throttle_share.sql.
 --
+-- A key left without candidates loses its row, unless a dispatcher holds
+-- its lease: an operator cancelled or parked (with release) its last
+-- message while it was being published. The row then stays, emptied
+-- (head_id 0, head_seq the largest bigint, 'infinity'), with its lease:
+-- a message ingested meanwhile takes it over as head (any seq is lower)
+-- under the holder's lease, and waits for the holder's finalize, which
+-- deletes the row if it is still empty (dispatch_release_empty.sql), or
+-- for the lease to run out (lease_sweep.sql). Deleting it here let a
+-- second dispatcher claim such a message while the first was still
+-- publishing (migration 0006).
+--
 -- A key stops being held when an operator replays or deletes the parked
 -- message at its head (or a re-deferral lands ahead of it). Whatever befell
 -- the key before it was held is history then: the finalize that parked the
@@ -84,6 +95,14 @@ BEGIN
         ), gone AS (
             DELETE FROM deferred_key d
             WHERE d.business_key = ANY (ARRAY(SELECT g.business_key FROM heads g WHERE g.id IS NULL))
+              AND NOT (d.leased_by IS NOT NULL AND d.leased_until > now())
+        ), emptied AS (
+            UPDATE deferred_key d
+            SET head_id = 0, head_seq = 9223372036854775807, next_run_at = 'infinity', head_target = NULL,
+                held = false, throttled = false
+            WHERE d.business_key = ANY (ARRAY(SELECT g.business_key FROM heads g WHERE g.id IS NULL))
+              AND d.leased_by IS NOT NULL AND d.leased_until > now()
+              AND d.head_id <> 0
         ), moved AS (
             UPDATE deferred_key d
             SET head_id = h.id, head_seq = h.seq, next_run_at = h.next_run_at, head_target = h.target_topic,

@@ -1,0 +1,15 @@
+-- For consumer group $1, whether each business key of $2 is blocked and
+-- why: one row per element of $2, with business_key, blocked, reason
+-- ('pending', 'parked', 'rejected' or 'in_flight'; NULL when free), and
+-- head_seq and head_id of the key's first waiting message of the group
+-- (NULL when none, and for 'in_flight'). The rules are
+-- deferred_key_state's (sql/schema/functions/deferred_key_state.sql), which
+-- operators call by hand: one definition, so that the scheduler's answer
+-- and an operator's cannot disagree.
+--
+-- The scheduler's key-state query (internal/keystate) runs it only once
+-- ingest has stored the defer topic up to the high-water marks read when
+-- the question came in; on its own it says nothing about records not yet
+-- ingested. Callers match rows to keys by business_key rather than by
+-- position.
+SELECT business_key, blocked, reason, head_seq, head_id FROM deferred_key_state($1, $2)
