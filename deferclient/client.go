@@ -233,25 +233,84 @@ func (c *Client) deferRecord(ctx context.Context, msg *sarama.ConsumerMessage, d
 	if err := ctx.Err(); err != nil {
 		return "", err
 	}
+	o, err := c.build(msg, d, gated)
+	if err != nil {
+		return "", err
+	}
+	if _, _, err := c.producer.SendMessage(o.out); err != nil {
+		return "", fmt.Errorf("deferclient: produce to %s: %w", c.cfg.DeferTopic, err)
+	}
+	c.sent(o)
+	return o.key, nil
+}
+
+// outgoing is a deferral built and not sent yet.
+type outgoing struct {
+	out   *sarama.ProducerMessage
+	key   string // business key; "" unordered
+	seq   int64  // the record's defer.seq, 0 for none
+	gated bool
+}
+
+// sendAll produces deferrals in order, in as few requests as the producer
+// can: a consumer gating many records of a batch pays one round trip, not
+// one per record. Order within each partition is kept (one request in
+// flight, idempotent producer). On error some may have been written: their
+// records are not marked, so they are read and deferred again (at least
+// once).
+func (c *Client) sendAll(os []outgoing) error {
+	if len(os) == 0 {
+		return nil
+	}
+	msgs := make([]*sarama.ProducerMessage, len(os))
+	for i := range os {
+		msgs[i] = os[i].out
+	}
+	if err := c.producer.SendMessages(msgs); err != nil {
+		return fmt.Errorf("deferclient: produce %d records to %s: %w", len(msgs), c.cfg.DeferTopic, err)
+	}
+	for _, o := range os {
+		c.sent(o)
+	}
+	return nil
+}
+
+// sent notes a deferral the broker acknowledged.
+func (c *Client) sent(o outgoing) {
+	if o.key != "" {
+		c.remember(o.key, o.seq)
+	}
+	c.count(func(s *Stats) {
+		if o.gated {
+			s.Gated++
+		} else {
+			s.Deferred++
+		}
+	})
+}
+
+// build makes the record that defers msg as d says.
+func (c *Client) build(msg *sarama.ConsumerMessage, d Deferral, gated bool) (outgoing, error) {
+	fail := func(err error) (outgoing, error) { return outgoing{}, err }
 	if !d.At.IsZero() && d.Delay != 0 {
-		return "", errors.New("deferclient: a deferral has a Delay or an At, not both")
+		return fail(errors.New("deferclient: a deferral has a Delay or an At, not both"))
 	}
 	if d.Delay < 0 {
-		return "", fmt.Errorf("deferclient: negative delay %v", d.Delay)
+		return fail(fmt.Errorf("deferclient: negative delay %v", d.Delay))
 	}
 	target := d.Target
 	if target == "" {
 		target = header(msg, protocol.HeaderTarget)
 	}
 	if target == "" {
-		return "", fmt.Errorf("deferclient: no target for the record of %s/%d at offset %d: set Deferral.Target", msg.Topic, msg.Partition, msg.Offset)
+		return fail(fmt.Errorf("deferclient: no target for the record of %s/%d at offset %d: set Deferral.Target", msg.Topic, msg.Partition, msg.Offset))
 	}
 	key := d.BusinessKey
 	if key == "" {
 		key = BusinessKey(msg)
 	}
 	if len(key) > protocol.DefaultMaxKeyBytes {
-		return "", fmt.Errorf("deferclient: business key of %d bytes, more than the scheduler's limit of %d", len(key), protocol.DefaultMaxKeyBytes)
+		return fail(fmt.Errorf("deferclient: business key of %d bytes, more than the scheduler's limit of %d", len(key), protocol.DefaultMaxKeyBytes))
 	}
 
 	// Every header of the record, in order, but those Defer sets: one-shot
@@ -313,14 +372,14 @@ func (c *Client) deferRecord(ctx context.Context, msg *sarama.ConsumerMessage, d
 		}
 		sig, err := protocol.Sign(c.cfg.SourceKey, rec)
 		if err != nil {
-			return "", fmt.Errorf("deferclient: sign the record: %w", err)
+			return fail(fmt.Errorf("deferclient: sign the record: %w", err))
 		}
 		headers = append(headers, sarama.RecordHeader{Key: []byte(protocol.HeaderSignature), Value: []byte(sig)})
 	}
 
 	partition, err := c.partition(key, msg.Key)
 	if err != nil {
-		return "", err
+		return fail(err)
 	}
 	out := &sarama.ProducerMessage{Topic: c.cfg.DeferTopic, Partition: partition, Headers: headers}
 	if msg.Key != nil {
@@ -329,21 +388,8 @@ func (c *Client) deferRecord(ctx context.Context, msg *sarama.ConsumerMessage, d
 	if msg.Value != nil {
 		out.Value = sarama.ByteEncoder(msg.Value)
 	}
-	if _, _, err := c.producer.SendMessage(out); err != nil {
-		return "", fmt.Errorf("deferclient: produce to %s: %w", c.cfg.DeferTopic, err)
-	}
-	if key != "" {
-		seq, _ := strconv.ParseInt(header(msg, protocol.HeaderSeq), 10, 64)
-		c.remember(key, seq)
-	}
-	c.count(func(s *Stats) {
-		if gated {
-			s.Gated++
-		} else {
-			s.Deferred++
-		}
-	})
-	return key, nil
+	seq, _ := strconv.ParseInt(header(msg, protocol.HeaderSeq), 10, 64)
+	return outgoing{out: out, key: key, seq: seq, gated: gated}, nil
 }
 
 // partition returns the partition of the defer topic a record of business

@@ -120,6 +120,13 @@ func (g *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 }
 
 // handle gates and handles one batch of one partition, in order.
+//
+// Gated deferrals are queued and produced together, in record order,
+// before anything after them is marked: one round trip for all of a
+// batch's blocked records, not one each. A failed record's deferral is
+// produced at once, after what is queued, so produce order is record
+// order. Records are marked only once everything up to them is handled or
+// durably deferred.
 func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSession, batch []*sarama.ConsumerMessage) error {
 	keys := make([]string, len(batch))
 	for i, m := range batch {
@@ -131,23 +138,38 @@ func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSess
 	if !g.cfg.NoGate {
 		states, _ = g.c.KeyStates(ctx, keys)
 	}
+	var queued []outgoing
+	var done []*sarama.ConsumerMessage // handled or deferred, not marked yet
+	flush := func() error {
+		if err := g.c.sendAll(queued); err != nil {
+			return err
+		}
+		queued = queued[:0]
+		for _, m := range done {
+			sess.MarkMessage(m, "")
+		}
+		done = done[:0]
+		return nil
+	}
 	republished := false
 	for i, m := range batch {
 		key := keys[i]
 		seq, fromScheduler := schedulerSeq(m)
 		republished = republished || fromScheduler
 		if !g.cfg.NoGate && key != "" && blocks(states[key], fromScheduler, seq) {
-			if _, err := g.c.deferRecord(ctx, m, Deferral{Target: g.target(m), BusinessKey: key}, true); err != nil {
+			o, err := g.c.build(m, Deferral{Target: g.target(m), BusinessKey: key}, true)
+			if err != nil {
 				return fmt.Errorf("deferclient: defer the record of %s/%d at offset %d behind its blocked key: %w", m.Topic, m.Partition, m.Offset, err)
 			}
+			queued = append(queued, o)
+			done = append(done, m)
 			states[key] = block(states[key], seq)
-			sess.MarkMessage(m, "")
 			continue
 		}
 		err := g.h(ctx, m)
 		if err == nil {
 			g.c.count(func(s *Stats) { s.Handled++ })
-			sess.MarkMessage(m, "")
+			done = append(done, m)
 			if st := states[key]; fromScheduler && st.HeadSeq != 0 && seq >= st.HeadSeq {
 				// The key's first waiting message was this one: the
 				// scheduler published it (and what followed it in its
@@ -159,7 +181,15 @@ func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSess
 			continue
 		}
 		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
-			return nil // the session ends; the record is read again
+			// The session ends; this record is read again. What came
+			// before it is settled first, as far as the broker lets.
+			if ferr := flush(); ferr != nil {
+				return ferr
+			}
+			return nil
+		}
+		if err := flush(); err != nil {
+			return fmt.Errorf("deferclient: defer the records gated before %s/%d at offset %d: %w", m.Topic, m.Partition, m.Offset, err)
 		}
 		class, message := g.cfg.Classify(err)
 		if _, derr := g.c.deferRecord(ctx, m, Deferral{Target: g.target(m), BusinessKey: key, ErrorClass: class, ErrorMessage: message}, false); derr != nil {
@@ -168,7 +198,10 @@ func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSess
 		if key != "" {
 			states[key] = block(states[key], seq)
 		}
-		sess.MarkMessage(m, "")
+		done = append(done, m)
+	}
+	if err := flush(); err != nil {
+		return fmt.Errorf("deferclient: defer the records of %s/%d gated behind their keys: %w", batch[0].Topic, batch[0].Partition, err)
 	}
 	if republished {
 		// The scheduler releases a key once the group committed past the

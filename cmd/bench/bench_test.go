@@ -53,15 +53,25 @@ func TestSmokeRun(t *testing.T) {
 	}
 	for _, k := range []string{"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s",
 		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb", "large_ingest_mb_per_s",
-		"e2e_cpu_us_per_msg", "e2e_svc_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end"} {
+		"e2e_cpu_us_per_msg", "e2e_svc_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end",
+		"gate_off_msgs_per_s", "gate_on_msgs_per_s", "gate_blocked1_msgs_per_s", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
 		}
 	}
+	// The gate held back every blocked key's record, and no key read free
+	// before its record was committed.
+	if vals["gate_blocked_keys"] == 0 || vals["gate_gated"] < vals["gate_blocked_keys"] {
+		t.Errorf("%v records gated for %v blocked keys", vals["gate_gated"], vals["gate_blocked_keys"])
+	}
+	if vals["release_early"] != 0 || vals["release_keys"] != float64(cfg.GateRelease) {
+		t.Errorf("release: %v of %v keys timed, %v free before their commit", vals["release_keys"], cfg.GateRelease, vals["release_early"])
+	}
 	if vals["backlog_rows"] != float64(cfg.Backlog) {
 		t.Errorf("backlog_rows = %v, want %d", vals["backlog_rows"], cfg.Backlog)
 	}
-	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE", "machine:", "speed:", "database: PostgreSQL"} {
+	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE",
+		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "machine:", "speed:", "database: PostgreSQL"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
 		}
@@ -202,6 +212,8 @@ func TestConfigFromEnv(t *testing.T) {
 		{"N overrides", []string{"BENCH_QUICK=1", "BENCH_N=5000"}, "quick", 5000, ""},
 		{"bad switch", []string{"BENCH_QUICK=yes please"}, "", 0, "BENCH_QUICK"},
 		{"N too small", []string{"BENCH_N=10"}, "", 0, "BENCH_N"},
+		{"only the gate", []string{"BENCH_QUICK=1", "BENCH_ONLY=gate"}, "quick", 20_000, ""},
+		{"only what", []string{"BENCH_ONLY=river"}, "", 0, "BENCH_ONLY"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg, err := configFromEnv(tc.environ)

@@ -12,7 +12,10 @@
 //   - the broker ceiling: sarama producing the same records to the same
 //     broker;
 //   - River alone, one job per message, as a user would build it instead;
-//   - the "1,000 messages/s" figure often quoted for database-backed queues.
+//   - the "1,000 messages/s" figure often quoted for database-backed queues;
+//   - the key gate of the client library (deferclient): a consumer's
+//     throughput with the gate off and on, the key-state query's latency,
+//     and how soon a blocked key flows again after its commit.
 //
 // It also measures the machine's speed at its start and its end (cpuSpeed),
 // since runs on a shared machine compare only at like speeds, and the CPU
@@ -21,7 +24,10 @@
 // "RESULT " of key=value pairs for machines. `make bench` runs it;
 // BENCH_QUICK=1 makes a smaller run (under three minutes on two cores),
 // BENCH_SMOKE=1 a tiny one that only checks the program works (the test runs
-// that). It uses DATABASE_URL's server when set (creating and dropping
+// that). BENCH_ONLY=gate runs only the key gate scenario (gate.go: what
+// deferclient's gate costs a consumer, the key-state query's latency, how
+// soon a key flows again after its commit) and reports only its figures.
+// It uses DATABASE_URL's server when set (creating and dropping
 // databases of its own there), else a throwaway cluster from
 // internal/pglocal. See docs/benchmarks.md.
 package main
@@ -74,6 +80,13 @@ type config struct {
 	Large int
 	// Partitions of every topic.
 	Partitions int32
+	// GateCalls is the number of timed key-state queries of the key gate
+	// scenario, quiet and under load each; GateRate the deferrals a second
+	// produced meanwhile under load; GateRelease the keys whose release
+	// after commit is timed.
+	GateCalls, GateRate, GateRelease int
+	// Only names the one scenario to run ("gate"); "" runs them all.
+	Only string
 	// SpeedProbe is how long cpuSpeed runs at the start and at the end.
 	SpeedProbe time.Duration
 	// DatabaseURL is a server to create the bench's databases on; "" starts a
@@ -92,23 +105,26 @@ type config struct {
 	ServiceLogs io.Writer
 }
 
+// onlyGate is BENCH_ONLY's one value: the key gate scenario alone.
+const onlyGate = "gate"
+
 // modes are the run sizes. Full is what docs/benchmarks.md records.
 var modes = map[string]config{
 	"full": {Mode: "full", N: 100_000, Warmup: 2_000, Backlog: 1_000_000,
 		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Large: 400, Partitions: 4,
-		SpeedProbe: time.Second},
+		GateCalls: 200, GateRate: 1_000, GateRelease: 200, SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
 		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Large: 200, Partitions: 4,
-		SpeedProbe: time.Second},
+		GateCalls: 200, GateRate: 1_000, GateRelease: 200, SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
 		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Large: 6, Partitions: 4,
-		SpeedProbe: 50 * time.Millisecond},
+		GateCalls: 20, GateRate: 300, GateRelease: 20, SpeedProbe: 50 * time.Millisecond},
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when
 // neither is set) and reads DATABASE_URL, BENCH_SCHEDULER, BENCH_PROFILE_DIR,
-// BENCH_VERBOSE, and BENCH_N (overrides the phase size).
+// BENCH_VERBOSE, BENCH_N (overrides the phase size) and BENCH_ONLY.
 func configFromEnv(environ []string) (config, error) {
 	env := map[string]string{}
 	for _, kv := range environ {
@@ -152,6 +168,12 @@ func configFromEnv(environ []string) (config, error) {
 			return config{}, fmt.Errorf("BENCH_N=%q: want an integer >= 100", v)
 		}
 		cfg.N = n
+	}
+	switch v := env["BENCH_ONLY"]; v {
+	case "", onlyGate:
+		cfg.Only = v
+	default:
+		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q or nothing", v, onlyGate)
 	}
 	cfg.DatabaseURL = env["DATABASE_URL"]
 	cfg.SchedulerBin = env["BENCH_SCHEDULER"]

@@ -74,6 +74,7 @@ type results struct {
 	speedStart, speedEnd float64
 	scenarios            []scenario // own/0 (with lateness), hot/0, single/0, own/backlog
 	large                largeResult
+	gate                 gateResult
 	ceiling              ceilingResult
 	broker               brokerResult
 	river                riverResult
@@ -112,6 +113,30 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	}()
 	b.pmPID = b.pg.postmasterPID(ctx)
 	pgInfo := b.pg.serverInfo(ctx)
+	finish := func() {
+		res.speedEnd = cpuSpeed(cfg.SpeedProbe)
+		res.machine = machine(pgInfo, loadStart, loadAverage(), res.speedStart, res.speedEnd)
+		res.write(out)
+	}
+	gate := func() error {
+		b.say("key gate: deferclient's consumer, %d records, and the key-state query", cfg.N)
+		g, err := b.runGate(ctx)
+		if err != nil {
+			return fmt.Errorf("key gate: %w", err)
+		}
+		res.gate = g
+		b.say("  gate on / off %.2f, 1%% blocked / off %.2f, query p99 %.1fms (%.1fms under load), release p99 %.0fms",
+			ratio(g.on.rate.perSecond(), g.off.rate.perSecond()), ratio(g.blocked.rate.perSecond(), g.off.rate.perSecond()),
+			ms(g.idle.p99), ms(g.busy.p99), ms(percentile(g.release, 0.99)))
+		return nil
+	}
+	if cfg.Only == onlyGate {
+		if err := gate(); err != nil {
+			return err
+		}
+		finish()
+		return nil
+	}
 
 	for _, s := range []struct {
 		shape   shape
@@ -132,6 +157,10 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		return fmt.Errorf("scheduler, large records: %w", err)
 	}
 	b.say("  peak RSS %.1f MB", float64(res.large.hwm)/(1<<20))
+
+	if err := gate(); err != nil {
+		return err
+	}
 
 	b.say("database ceiling: the service's SQL without Kafka")
 	stop, err := b.profile("ceiling")
@@ -162,9 +191,7 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	}
 	b.say("  %.0f/s", res.river.e2e.perSecond())
 
-	res.speedEnd = cpuSpeed(cfg.SpeedProbe)
-	res.machine = machine(pgInfo, loadStart, loadAverage(), res.speedStart, res.speedEnd)
-	res.write(out)
+	finish()
 	return nil
 }
 
@@ -269,10 +296,18 @@ var requiredKeys = []string{
 	"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s", "river_msgs_per_s",
 	"p99_lateness_ms", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb",
 	"delivered", "expected", "out_of_order",
+	"gate_on_vs_off", "gate_blocked1_vs_off", "gate_p99_ms", "gate_busy_p99_ms", "release_p50_ms", "release_p99_ms",
 }
 
 func (r *results) summary() *summary {
 	s := &summary{vals: map[string]float64{}}
+	if r.cfg.Only == onlyGate {
+		r.gate.summarize(s)
+		s.set("cpu_speed_start", r.speedStart)
+		s.set("cpu_speed_end", r.speedEnd)
+		s.set("messages_per_phase", float64(r.cfg.N))
+		return s
+	}
 	own, hot, single, backlog := r.scenarios[0], r.scenarios[1], r.scenarios[2], r.scenarios[3]
 	var hwm int64
 	var delivered, expected, outOfOrder, dupes int
@@ -318,6 +353,7 @@ func (r *results) summary() *summary {
 	s.set("e2e_cpu_us_per_msg", perMsg(cpu.service+cpu.postgres+cpu.bench))
 	s.set("e2e_pg_cpu_us_per_msg", perMsg(cpu.postgres))
 	s.set("e2e_svc_cpu_us_per_msg", perMsg(cpu.service))
+	r.gate.summarize(s)
 	s.set("cpu_speed_start", r.speedStart)
 	s.set("cpu_speed_end", r.speedEnd)
 	s.set("messages_per_phase", float64(r.cfg.N))
@@ -348,6 +384,20 @@ func (s *summary) resultLine() string {
 func (r *results) write(w io.Writer) {
 	s := r.summary()
 	cfg := r.cfg
+	if cfg.Only == onlyGate {
+		fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s, the key gate scenario alone (BENCH_ONLY=gate): %s records, %d partitions per topic\n",
+			cfg.Mode, group(float64(cfg.N)), cfg.Partitions)
+		for _, m := range r.machine {
+			fmt.Fprintln(w, m)
+		}
+		r.gate.write(w, s.vals)
+		fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
+		tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
+		gateTargets(targetRow(tw), s.vals)
+		tw.Flush()
+		fmt.Fprintln(w, s.resultLine())
+		return
+	}
 	fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s: %s messages per measured phase (after %s of warm-up), %d partitions per topic\n",
 		cfg.Mode, group(float64(cfg.N)), group(float64(cfg.Warmup)), cfg.Partitions)
 	for _, m := range r.machine {
@@ -420,15 +470,11 @@ func (r *results) write(w io.Writer) {
 	fmt.Fprintf(w, "all stored in %.2fs (%.0f MB/s), the due half on its target after %.2fs.\n",
 		r.large.ingest.wall.Seconds(), s.vals["large_ingest_mb_per_s"], r.large.dispatch.wall.Seconds())
 
+	r.gate.write(w, s.vals)
+
 	fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
 	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
-	target := func(what, got, want string, ok bool) {
-		verdict := "met"
-		if !ok {
-			verdict = "missed"
-		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", what, got, want, verdict)
-	}
+	target := targetRow(tw)
 	v := s.vals
 	target("end to end, own keys", group(v["e2e_msgs_per_s"])+" msgs/s", ">= 20,000", v["e2e_msgs_per_s"] >= 20_000)
 	target("end to end / DB ceiling", fmt.Sprintf("%.2f", v["e2e_vs_ceiling"]), ">= 0.5", v["e2e_vs_ceiling"] >= 0.5)
@@ -442,6 +488,7 @@ func (r *results) write(w io.Writer) {
 	target("scheduler peak RSS", fmt.Sprintf("%.1f MB", v["rss_mb"]), "<= 150 MB", v["rss_mb"] <= 150)
 	target("scheduler peak RSS, records near 1 MB", fmt.Sprintf("%.1f MB", v["large_rss_mb"]), "<= 244 MB (256,000,000 bytes)",
 		v["large_rss_mb"]*(1<<20) <= 256_000_000)
+	gateTargets(target, v)
 	tw.Flush()
 
 	// What the throughput target asks of the CPU, in the units the
@@ -456,4 +503,16 @@ func (r *results) write(w io.Writer) {
 	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",
 		group(v["delivered"]), group(v["expected"]), group(v["out_of_order"]), group(v["duplicates"]))
 	fmt.Fprintln(w, s.resultLine())
+}
+
+// targetRow returns a function that writes one row of the targets table to
+// tw: what, the figure got, the target wanted, and whether it was met.
+func targetRow(tw io.Writer) func(what, got, want string, ok bool) {
+	return func(what, got, want string, ok bool) {
+		verdict := "met"
+		if !ok {
+			verdict = "missed"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", what, got, want, verdict)
+	}
 }

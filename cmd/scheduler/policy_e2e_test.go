@@ -219,7 +219,9 @@ func TestPolicyWalksLadderToParkingLotAndBack(t *testing.T) {
 		}
 	}
 
-	// The lineage's story is in SQL: three deferrals and the park.
+	// The lineage's story is in SQL: three deferrals, each ended by its
+	// delivery (published, with the attempt the record carried), and the
+	// park.
 	var story string
 	if err := db.Pool.QueryRow(ctx, `
 		SELECT string_agg(a.event || '@' || a.attempt || ':' || coalesce(a.error_class, '-'), ',' ORDER BY a.id)
@@ -229,7 +231,8 @@ func TestPolicyWalksLadderToParkingLotAndBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	const cls = "java.net.SocketTimeoutException"
-	if want := "deferred@0:" + cls + ",deferred@1:" + cls + ",deferred@2:" + cls + ",parked@3:" + cls; story != want {
+	if want := "deferred@0:" + cls + ",published@1:-,deferred@1:" + cls + ",published@2:-,deferred@2:" + cls +
+		",published@3:-,parked@3:" + cls; story != want {
 		t.Errorf("history of m1 = %s\nwant %s", story, want)
 	}
 

@@ -18,7 +18,7 @@
 -- unordered ones, play no part: the scheduler orders a key across groups,
 -- but a group's consumer waits only for what it deferred itself.
 --
--- Each key costs two index probes (deferred_message_key_order or
+-- Each key costs three index probes (deferred_message_key_order,
 -- deferred_message_rejected_key, and deferred_inflight's primary key).
 
 CREATE OR REPLACE FUNCTION deferred_key_state(grp text, keys text[])
@@ -32,11 +32,28 @@ AS $$
            w.id
     FROM unnest(keys) WITH ORDINALITY AS k (business_key, ord)
     LEFT JOIN LATERAL (
-        SELECT m.id, m.seq, m.state
-        FROM deferred_message m
-        WHERE m.business_key = k.business_key AND m.group_id = grp
-          AND (m.state IN ('pending', 'rejected') OR (m.state = 'parked' AND m.park_holds_key))
-        ORDER BY m.seq, m.id
+        -- Two probes, each written with its partial index's predicate
+        -- (deferred_message_key_order, deferred_message_rejected_key):
+        -- one filter over both states matches neither index, and the
+        -- planner scanned the whole table once per key (6.4 s for 500 keys
+        -- over 100,000 rows, against 26 ms).
+        SELECT u.id, u.seq, u.state
+        FROM (
+            (SELECT m.id, m.seq, m.state
+             FROM deferred_message m
+             WHERE m.business_key = k.business_key
+               AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
+               AND m.group_id = grp
+             ORDER BY m.seq, m.id
+             LIMIT 1)
+            UNION ALL
+            (SELECT m.id, m.seq, m.state
+             FROM deferred_message m
+             WHERE m.business_key = k.business_key AND m.state = 'rejected' AND m.group_id = grp
+             ORDER BY m.seq, m.id
+             LIMIT 1)
+        ) u
+        ORDER BY u.seq, u.id
         LIMIT 1
     ) w ON true
     LEFT JOIN LATERAL (
