@@ -296,25 +296,23 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	}
 
 	// Locks first, messages before keys, each in order (see
-	// dispatch_lock_messages.sql). Then the keys are released, before the
-	// changes: the transaction still holds their rows locked, so no one
-	// else can claim them until it commits, and the head triggers the
-	// changes fire see keys no one leases, and delete the rows of keys left
-	// without messages at once. (Released after, such a key's row would
-	// first be emptied, since its lease is still held: see
-	// sql/schema/functions/deferred_key_refresh.sql.) A key emptied by an
-	// operator while leased here is deleted first, unless a message arrived
-	// in it meanwhile.
+	// dispatch_lock_messages.sql); then the changes, under this finalize's
+	// name (dispatch_finalizing.sql), so that the head trigger deletes at
+	// once the row of a key it leaves without messages; then the rows of
+	// keys an operator emptied while this holder published them, unless a
+	// message arrived in them meanwhile (see
+	// sql/schema/functions/deferred_key_refresh.sql); last, the release.
+	// Releasing before the changes would let the head trigger see the keys
+	// free and wake every dispatch loop at each commit (measured: a single
+	// key's dispatch fell from 15,000 to 6,000 msgs/s).
 	b := &pgx.Batch{}
 	if changed := append(append([]int64(nil), out.Published...), parkIDs...); len(changed) > 0 {
 		queries.QueueDispatchLockMessages(b, queries.DispatchLockMessagesParams{IDs: changed})
 	}
 	if len(keys) > 0 {
 		queries.QueueDispatchLockKeys(b, queries.DispatchLockKeysParams{Keys: keys})
-		queries.QueueDispatchReleaseEmpty(b, queries.DispatchReleaseEmptyParams{Keys: keys, Owner: l.cfg.Owner})
 	}
-	queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Heads: heads, Owner: l.cfg.Owner,
-		RetryKeys: retryKeys, RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
+	queries.QueueDispatchFinalizing(b, queries.DispatchFinalizingParams{Owner: l.cfg.Owner})
 	if len(out.Published) > 0 {
 		p := queries.DispatchDeleteParams{IDs: out.Published}
 		if len(out.Placements) == len(out.Published) {
@@ -329,6 +327,11 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	if len(parkIDs) > 0 {
 		queries.QueueDispatchPark(b, queries.DispatchParkParams{IDs: parkIDs, Reasons: parkReasons})
 	}
+	if len(keys) > 0 {
+		queries.QueueDispatchReleaseEmpty(b, queries.DispatchReleaseEmptyParams{Keys: keys, Owner: l.cfg.Owner})
+	}
+	queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Heads: heads, Owner: l.cfg.Owner,
+		RetryKeys: retryKeys, RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
 	if err := l.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("finalize %d keys (%d published, %d parked): %w",
 			len(claims), len(out.Published), len(parkIDs), err)

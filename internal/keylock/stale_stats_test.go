@@ -249,12 +249,8 @@ func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, 
 	if err := queries.DispatchLockKeys(ctx, tx, queries.DispatchLockKeysParams{Keys: keys}); err != nil {
 		return fmt.Errorf("lock keys: %w", err)
 	}
-	if err := queries.DispatchReleaseEmpty(ctx, tx, queries.DispatchReleaseEmptyParams{Keys: keys, Owner: "stale-stats"}); err != nil {
-		return fmt.Errorf("delete emptied keys: %w", err)
-	}
-	if err := queries.DispatchRelease(ctx, tx, queries.DispatchReleaseParams{Keys: keys, Owner: "stale-stats",
-		BackoffBase: time.Second, BackoffMax: time.Minute}); err != nil {
-		return fmt.Errorf("release: %w", err)
+	if err := queries.DispatchFinalizing(ctx, tx, queries.DispatchFinalizingParams{Owner: "stale-stats"}); err != nil {
+		return fmt.Errorf("finalizing: %w", err)
 	}
 	if len(published) > 0 {
 		if err := queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: published}); err != nil {
@@ -270,6 +266,13 @@ func finalize(ctx context.Context, tx pgx.Tx, published []int64, keys []string, 
 			return fmt.Errorf("park: %w", err)
 		}
 	}
+	if err := queries.DispatchReleaseEmpty(ctx, tx, queries.DispatchReleaseEmptyParams{Keys: keys, Owner: "stale-stats"}); err != nil {
+		return fmt.Errorf("delete emptied keys: %w", err)
+	}
+	if err := queries.DispatchRelease(ctx, tx, queries.DispatchReleaseParams{Keys: keys, Owner: "stale-stats",
+		BackoffBase: time.Second, BackoffMax: time.Minute}); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
 	return nil
 }
 
@@ -278,12 +281,12 @@ func finalizeUnordered(ctx context.Context, tx pgx.Tx, ids []int64) error {
 	if err := queries.DispatchLockMessages(ctx, tx, queries.DispatchLockMessagesParams{IDs: ids}); err != nil {
 		return fmt.Errorf("lock messages: %w", err)
 	}
+	if err := queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: ids}); err != nil {
+		return fmt.Errorf("delete: %w", err)
+	}
 	if err := queries.DispatchRelease(ctx, tx, queries.DispatchReleaseParams{Heads: ids, Owner: "stale-stats",
 		BackoffBase: time.Second, BackoffMax: time.Minute}); err != nil {
 		return fmt.Errorf("release: %w", err)
-	}
-	if err := queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: ids}); err != nil {
-		return fmt.Errorf("delete: %w", err)
 	}
 	return nil
 }

@@ -129,6 +129,24 @@ func DispatchDelete(ctx context.Context, db DBTX, p DispatchDeleteParams) error 
 	return err
 }
 
+// DispatchFinalizingParams are dispatch_finalizing.sql's parameters.
+type DispatchFinalizingParams struct {
+	Owner string // $1: the lease holder finalizing in this transaction
+}
+
+func (p DispatchFinalizingParams) args() []any { return []any{p.Owner} }
+
+// QueueDispatchFinalizing adds dispatch_finalizing.sql to b.
+func QueueDispatchFinalizing(b *pgx.Batch, p DispatchFinalizingParams) {
+	b.Queue(dispatchFinalizingSQL, p.args()...)
+}
+
+// DispatchFinalizing runs dispatch_finalizing.sql.
+func DispatchFinalizing(ctx context.Context, db DBTX, p DispatchFinalizingParams) error {
+	_, err := db.Exec(ctx, dispatchFinalizingSQL, p.args()...)
+	return err
+}
+
 // DispatchReleaseEmptyParams are dispatch_release_empty.sql's parameters.
 type DispatchReleaseEmptyParams struct {
 	Keys  []string // $1: the business keys finalize releases

@@ -54,10 +54,11 @@ WITH gone AS (
 -- The keys now in flight take the lease 'in-flight' until 'infinity': no
 -- dispatcher claims them until their group committed past what went out
 -- (deferred_inflight_after_delete.sql clears it). The finalize holds their
--- rows locked (dispatch_lock_keys.sql) and released its own lease just
--- before (dispatch_release.sql); the head trigger this delete fires runs
--- after this statement, and keeps the row of a key left without messages,
--- emptied, since it is leased.
+-- rows locked (dispatch_lock_keys.sql), and its release after this
+-- (dispatch_release.sql) frees only keys still leased to it; the head
+-- trigger this delete fires runs after this statement, and keeps the row of
+-- a key left without messages, emptied, since another holder ('in-flight')
+-- leases it.
 UPDATE deferred_key k
 SET leased_by = 'in-flight', leased_until = 'infinity'
 WHERE k.business_key = ANY (ARRAY(SELECT DISTINCT p.business_key FROM placed p

@@ -1,6 +1,7 @@
--- Finalize, step 3: give back the keys $1 (business keys) and $2 (unordered
--- heads) leased to $3, before the messages are deleted or parked (see
--- internal/keylock's Finalize). Keys in $4 (business keys) and $5
+-- Finalize, last step: give back the keys $1 (business keys) and $2
+-- (unordered heads) leased to $3, after the messages were deleted or parked
+-- (see internal/keylock's Finalize); a key the delete leased 'in-flight'
+-- stays so. Keys in $4 (business keys) and $5
 -- (unordered heads) failed with a retriable error: they stay leased to no one
 -- for a back-off that doubles with each consecutive failure, from $6 up to
 -- $7, which is how dispatch backs off from a broker that is down without

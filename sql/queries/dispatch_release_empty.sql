@@ -1,4 +1,4 @@
--- Finalize, step 2b, before the release: delete the emptied rows of the business
+-- Finalize, step 6, before the release: delete the emptied rows of the business
 -- keys $1 leased to $2. A key is emptied when its last waiting message was
 -- cancelled or parked with release while it was leased (see
 -- sql/schema/functions/deferred_key_refresh.sql); its row kept the lease so

@@ -70,6 +70,8 @@ var (
 	dispatchReleaseSQL string
 	//go:embed dispatch_release_empty.sql
 	dispatchReleaseEmptySQL string
+	//go:embed dispatch_finalizing.sql
+	dispatchFinalizingSQL string
 	//go:embed dispatch_throttle_sweep.sql
 	dispatchThrottleSweepSQL string
 	//go:embed dlq_back_off.sql
@@ -127,6 +129,7 @@ func files() map[string]string {
 		"dispatch_reap_loops.sql":     dispatchReapLoopsSQL,
 		"dispatch_release.sql":        dispatchReleaseSQL,
 		"dispatch_release_empty.sql":  dispatchReleaseEmptySQL,
+		"dispatch_finalizing.sql":     dispatchFinalizingSQL,
 		"dispatch_throttle_sweep.sql": dispatchThrottleSweepSQL,
 		"dlq_back_off.sql":            dlqBackOffSQL,
 		"dlq_claim.sql":               dlqClaimSQL,
@@ -190,6 +193,7 @@ func Statements() []Statement {
 		st("dispatch_lock_keys.sql", DispatchLockKeysParams{}, nil),
 		st("dispatch_delete.sql", DispatchDeleteParams{}, nil),
 		st("dispatch_park.sql", DispatchParkParams{}, nil),
+		st("dispatch_finalizing.sql", DispatchFinalizingParams{}, nil),
 		st("dispatch_release_empty.sql", DispatchReleaseEmptyParams{}, nil),
 		st("dispatch_release.sql", DispatchReleaseParams{}, nil),
 		st("dispatch_next_due.sql", NoParams{}, DispatchNextDueRow{}),

@@ -25,7 +25,9 @@
 -- deletes the row if it is still empty (dispatch_release_empty.sql), or
 -- for the lease to run out (lease_sweep.sql). Deleting it here let a
 -- second dispatcher claim such a message while the first was still
--- publishing (migration 0006).
+-- publishing (migration 0006). A key the transaction's own finalize holds
+-- (scheduler.finalizing, set by dispatch_finalizing.sql) is deleted as
+-- before: the finalize releases it after its changes.
 --
 -- A key stops being held when an operator replays or deletes the parked
 -- message at its head (or a re-deferral lands ahead of it). Whatever befell
@@ -65,6 +67,8 @@ DECLARE
     earliest timestamptz;
     earliest_unordered timestamptz;
     throttling text[];
+    -- The lease holder whose finalize runs this transaction, if any.
+    finalizing text := nullif(current_setting('scheduler.finalizing', true), '');
 BEGIN
     IF cardinality(keys) > 0 THEN
         INSERT INTO deferred_key AS d (business_key, head_id, head_seq, next_run_at)
@@ -95,13 +99,13 @@ BEGIN
         ), gone AS (
             DELETE FROM deferred_key d
             WHERE d.business_key = ANY (ARRAY(SELECT g.business_key FROM heads g WHERE g.id IS NULL))
-              AND NOT (d.leased_by IS NOT NULL AND d.leased_until > now())
+              AND NOT (d.leased_by IS NOT NULL AND d.leased_until > now() AND d.leased_by IS DISTINCT FROM finalizing)
         ), emptied AS (
             UPDATE deferred_key d
             SET head_id = 0, head_seq = 9223372036854775807, next_run_at = 'infinity', head_target = NULL,
                 held = false, throttled = false
             WHERE d.business_key = ANY (ARRAY(SELECT g.business_key FROM heads g WHERE g.id IS NULL))
-              AND d.leased_by IS NOT NULL AND d.leased_until > now()
+              AND d.leased_by IS NOT NULL AND d.leased_until > now() AND d.leased_by IS DISTINCT FROM finalizing
               AND d.head_id <> 0
         ), moved AS (
             UPDATE deferred_key d
