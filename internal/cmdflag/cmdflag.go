@@ -23,8 +23,7 @@ func Parse(fs *flag.FlagSet, args []string, stdout, stderr io.Writer, describe f
 	switch {
 	case errors.Is(err, flag.ErrHelp):
 		describe(stdout)
-		fs.SetOutput(stdout)
-		fs.PrintDefaults()
+		PrintDefaults(stdout, fs)
 		return true, 0
 	case err != nil:
 		fmt.Fprintf(stderr, "scheduler %s: %v (see scheduler %s --help)\n", fs.Name(), err, fs.Name())
@@ -34,6 +33,23 @@ func Parse(fs *flag.FlagSet, args []string, stdout, stderr io.Writer, describe f
 		return true, 2
 	}
 	return false, 0
+}
+
+// PrintDefaults writes fs's flags to w as flag.PrintDefaults does, but
+// spelled --name, as the README and every --help text write them (the flag
+// package accepts both).
+func PrintDefaults(w io.Writer, fs *flag.FlagSet) {
+	var b strings.Builder
+	out := fs.Output()
+	fs.SetOutput(&b)
+	fs.PrintDefaults()
+	fs.SetOutput(out)
+	for _, line := range strings.SplitAfter(b.String(), "\n") {
+		if strings.HasPrefix(line, "  -") {
+			line = "  --" + line[len("  -"):]
+		}
+		io.WriteString(w, line)
+	}
 }
 
 // Indent returns err's text with every line indented by two spaces, for a

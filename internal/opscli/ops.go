@@ -87,8 +87,7 @@ func (o *ops) parse(fs *flag.FlagSet, args []string, help string) (pos []string,
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprint(o.stdout, help)
 			fmt.Fprint(o.stdout, "\nFlags:\n")
-			fs.SetOutput(o.stdout)
-			fs.PrintDefaults()
+			cmdflag.PrintDefaults(o.stdout, fs)
 			return nil, true, 0
 		}
 		if err != nil {
@@ -196,7 +195,7 @@ func (o *ops) withConn(ctx context.Context, environ []string, f func(conn *pgx.C
 		defer cancel()
 		conn.Close(cctx)
 	}()
-	return f(conn)
+	return explainNoSchema(ctx, conn, f(conn))
 }
 
 // inTx runs f in a transaction that commits only if f succeeds, so a command

@@ -51,6 +51,11 @@ messages. --dry-run stops there. Above --confirm-above messages (default
 100) it asks you to type their number, unless --yes. A rejected record that
 named no target topic cannot be replayed: it is listed and left alone.
 
+Exit code: 0 when the messages were replayed, and for --dry-run whatever it
+found (also nothing); 1 when nothing matches or nothing can be replayed
+(without --dry-run), when not confirmed, or on a database error; 2 for a
+usage error.
+
 --rate N staggers the due times at N messages per second, oldest parked
 first: dispatch then sends them at that pace even after this command exits
 (the messages waiting behind a held key follow their head unpaced; "scheduler
@@ -346,12 +351,20 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 		return err
 	}
 	what := strings.Join(f.described, " ")
-	if len(cands) == 0 {
-		return fmt.Errorf("no message matches %s; nothing changed", what)
-	}
 	rep := replayReport{
 		State: f.state, DryRun: opt.dryRun, Matched: len(cands), Groups: groupCandidates(cands),
 		Candidates: cands, NotReplayable: []int64{}, Rate: opt.rate, Messages: []replayedMessage{},
+	}
+	if len(cands) == 0 {
+		if !opt.dryRun {
+			return fmt.Errorf("no message matches %s; nothing changed", what)
+		}
+		// A dry run is a question, and "none" is an answer: exit 0.
+		if o.json {
+			return o.printJSON(rep)
+		}
+		_, err := fmt.Fprintf(o.stdout, "dry run: no message matches %s; nothing would be replayed\n", what)
+		return err
 	}
 	var replayable []int64
 	for _, c := range cands {
@@ -363,6 +376,13 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 	}
 	if !o.json {
 		printCandidates(o.stdout, what, rep)
+	}
+	if len(replayable) == 0 && opt.dryRun {
+		if o.json {
+			return o.printJSON(rep)
+		}
+		_, err := fmt.Fprintf(o.stdout, "dry run: would replay 0 messages: %s; nothing changed\n", notReplayableWhy)
+		return err
 	}
 	if len(replayable) == 0 {
 		return fmt.Errorf("none of the %d matching %s message%s can be replayed: %s; nothing changed",

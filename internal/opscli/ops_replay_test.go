@@ -370,6 +370,19 @@ func TestReplayCommand(t *testing.T) {
 			stderr: []string{`{"error":"no message matches --state parked --reason nope; nothing changed"}`},
 		},
 		{
+			// A dry run is a question: "nothing" is an answer, not a failure.
+			name: "dry run, nothing matches", args: []string{"--target", "payments.*", "--key", "nope", "--dry-run"},
+			stdout: []string{"dry run: no message matches --state parked --target payments.* --key nope; nothing would be replayed\n"},
+		},
+		{
+			name: "dry run, nothing matches --json", args: []string{"--reason", "nope", "--dry-run", "--json"},
+			stdout: []string{`"dry_run": true`, `"matched": 0`, `"replayed": 0`, `"candidates": []`},
+		},
+		{
+			name: "dry run, nothing replayable", args: []string{"--state", "rejected", "--reason", "missing_target", "--dry-run"},
+			stdout: []string{"1 rejected message matches", "dry run: would replay 0 messages: a rejected record that named no target topic"},
+		},
+		{
 			name: "nothing replayable", args: []string{"--state", "rejected", "--reason", "missing_target"}, code: 1,
 			stderr: []string{"none of the 1 matching rejected message can be replayed: a rejected record that named no target topic"},
 		},

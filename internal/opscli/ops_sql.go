@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -300,4 +301,28 @@ func explainDBError(name string, err error) error {
 		return fmt.Errorf("runbook %s: %w: a dispatcher was finalizing some of the same messages; nothing changed, run it again", name, err)
 	}
 	return fmt.Errorf("runbook %s: %w", name, err)
+}
+
+// explainNoSchema turns the error of a statement that ran into a missing
+// table (undefined_table) into what is wrong and what to do: the database
+// was never migrated (or not fully), not a bug in the command. Every
+// operator command's statements run under withConn, which calls it with
+// the connection they ran on.
+func explainNoSchema(ctx context.Context, conn *pgx.Conn, err error) error {
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) || pe.Code != pgerrcode.UndefinedTable {
+		return err
+	}
+	what := "lacks part of the scheduler schema"
+	// A failed statement outside a transaction, or a rolled back one,
+	// leaves the connection usable for this question.
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+	defer cancel()
+	var exists bool
+	if conn.QueryRow(qctx, "SELECT to_regclass('deferred_message') IS NOT NULL").Scan(&exists) == nil && !exists {
+		what = "has no scheduler schema"
+	}
+	cc := conn.Config()
+	return fmt.Errorf("the database %s at %s:%d %s (%s): run `scheduler migrate` with this DATABASE_URL",
+		cc.Database, cc.Host, cc.Port, what, pe.Message)
 }

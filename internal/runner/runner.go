@@ -120,7 +120,9 @@ type Runtime struct {
 	waker    *Waker
 	cfg      Config
 	logger   *slog.Logger
-	client   *river.Client[pgx.Tx]
+	// dlqLogger is the dead-letter publisher's: component=dlq.
+	dlqLogger *slog.Logger
+	client    *river.Client[pgx.Tx]
 
 	stop     chan struct{}
 	stopOnce sync.Once
@@ -143,7 +145,11 @@ type Runtime struct {
 }
 
 // New builds the River client with the dispatch and maintenance
-// workers. waker may be nil (poll only).
+// workers. waker may be nil (poll only). logger is the process's, without a
+// component: New tags each line with one, component=dispatch for the loops
+// and maintenance, river for River's own and dlq for the dead-letter
+// publisher (slog's With adds an attribute, it does not replace one, so a
+// component stacked on another would print twice).
 func New(pool *pgxpool.Pool, producer dispatch.Producer, waker *Waker, cfg Config, logger *slog.Logger) (*Runtime, error) {
 	switch {
 	case cfg.Loops < 1:
@@ -155,8 +161,8 @@ func New(pool *pgxpool.Pool, producer dispatch.Producer, waker *Waker, cfg Confi
 	case cfg.MaintenanceInterval <= 0:
 		return nil, fmt.Errorf("dispatch: maintenance interval %v must be positive", cfg.MaintenanceInterval)
 	}
-	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger, stop: make(chan struct{}),
-		dlqWake: make(chan struct{}, 1)}
+	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger.With("component", "dispatch"),
+		dlqLogger: logger.With("component", "dlq"), stop: make(chan struct{}), dlqWake: make(chan struct{}, 1)}
 
 	workers := river.NewWorkers()
 	if err := river.AddWorkerSafely(workers, &loopWorker{rt: rt}); err != nil {
@@ -245,7 +251,7 @@ func (rt *Runtime) Start(ctx context.Context) error {
 		defer close(dlqDone)
 		// The claim lease outlasts the longest publish (LEASE_DURATION is
 		// checked against it), so it serves the copies' leases too.
-		deadletter.NewPublisher(rt.pool, rt.producer, rt.cfg.Dispatch.Metrics, rt.cfg.Lease, rt.logger.With("component", "dlq")).
+		deadletter.NewPublisher(rt.pool, rt.producer, rt.cfg.Dispatch.Metrics, rt.cfg.Lease, rt.dlqLogger).
 			Run(lctx, rt.dlqWake)
 	}()
 	analyzeDone := make(chan struct{})

@@ -29,7 +29,8 @@ Consumes the defer topic into Postgres, republishes due messages in per-key
 order, releases keys once their consumer group committed past them, and
 serves /healthz, /readyz, /metrics and the key-state query (POST
 /v1/key-state) on HTTP_ADDR. SIGINT or SIGTERM stops consuming, finishes
-in-flight batches, commits and exits 0.
+in-flight batches, commits and exits 0; during start-up (waiting for the
+brokers, say) it stops at once and exits 0 too.
 
 Environment:
 `)
@@ -45,6 +46,12 @@ Environment:
 	}
 	logger := cfg.Logger(stderr)
 	svc, err := New(ctx, cfg, logger, Options{Migrate: *migrate, Version: version})
+	if err != nil && ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+		// SIGINT or SIGTERM during start-up (often while waiting for the
+		// brokers): a requested stop like any other, not a failure.
+		logger.Info("stopped during start-up", "reason", err)
+		return 0
+	}
 	if err != nil {
 		logger.Error("start-up failed", "error", err)
 		return 1
@@ -99,6 +106,9 @@ whose schema is newer than this binary.
 	return 0
 }
 
+// pingTimeout bounds openPool's first exchange with the database.
+const pingTimeout = 10 * time.Second
+
 // openPool connects to DATABASE_URL, failing fast with a clear message when
 // the database does not answer.
 func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
@@ -112,10 +122,17 @@ func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 	if err != nil {
 		return nil, fmt.Errorf("connect to the database: %w", err)
 	}
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	pctx, cancel := context.WithTimeout(ctx, pingTimeout)
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			// Something accepted the connection (or swallowed it) and never
+			// answered: a hung server, a wrong port, a firewall. The bare
+			// "context deadline exceeded" names neither server nor wait.
+			return nil, fmt.Errorf("the database at %s:%d did not answer within %v (is DATABASE_URL's host and port a PostgreSQL server that is up?): %w",
+				pc.ConnConfig.Host, pc.ConnConfig.Port, pingTimeout, err)
+		}
 		return nil, fmt.Errorf("connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
 	}
 	return pool, nil

@@ -224,7 +224,7 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 			Metrics:         s.metrics,
 			Marks:           s.marks,
 		},
-	}, logger.With("component", "dispatch"))
+	}, logger) // runner tags its lines: dispatch, river, dlq
 	if err != nil {
 		return nil, err
 	}
@@ -286,7 +286,8 @@ func (s *Service) connectKafka(ctx context.Context, brokers []string) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("connect to Kafka at %s: %w", strings.Join(brokers, ","), err)
+			return fmt.Errorf("stopped before connecting to Kafka at %s (last error: %v): %w",
+				strings.Join(brokers, ","), err, ctx.Err())
 		case <-time.After(time.Second):
 		}
 	}
