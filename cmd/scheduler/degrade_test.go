@@ -220,6 +220,22 @@ func waitUntil(t *testing.T, within time.Duration, what string, cond func() (boo
 	}
 }
 
+// waitConnecting waits until p's /readyz answers 503 with kafka failing
+// "connecting" to brokers: start-up waits for the brokers.
+func waitConnecting(t *testing.T, p *proc, brokers string) {
+	t.Helper()
+	waitUntil(t, 30*time.Second, "/readyz to say kafka connecting", func() (bool, string) {
+		p.alive(t, "while waiting for Kafka")
+		code, body := p.Get("/readyz")
+		if code != http.StatusServiceUnavailable {
+			return false, fmt.Sprintf("%d %s", code, body)
+		}
+		failing, _ := readyzBody(t, body)["failing"].(map[string]any)
+		why, _ := failing["kafka"].(string)
+		return strings.Contains(why, "connecting") && strings.Contains(why, brokers), body
+	})
+}
+
 // gatedBroker starts a kfake broker behind a gate, with the defer and target
 // topics. kfake advertises the address of its listener in metadata; a gated
 // listener is that address, so every client connection, the scheduler's and
@@ -452,16 +468,7 @@ func TestReadyzWhileConnectingToKafka(t *testing.T) {
 	db := pgtest.NewDB(t)
 	brokers := freeAddr(t) // nothing listens there yet
 	p := launch(t, serviceEnv(db.URL, brokers, "e2e-connecting"))
-	waitUntil(t, 30*time.Second, "/readyz to answer while connecting", func() (bool, string) {
-		p.alive(t, "while waiting for Kafka")
-		code, body := p.Get("/readyz")
-		if code != http.StatusServiceUnavailable {
-			return false, fmt.Sprintf("%d %s", code, body)
-		}
-		failing, _ := readyzBody(t, body)["failing"].(map[string]any)
-		why, _ := failing["kafka"].(string)
-		return strings.Contains(why, "connecting") && strings.Contains(why, brokers), body
-	})
+	waitConnecting(t, p, brokers)
 	if code, _ := p.Get("/healthz"); code != http.StatusOK {
 		t.Errorf("/healthz = %d while connecting, want 200", code)
 	}

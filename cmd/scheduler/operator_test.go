@@ -1,9 +1,7 @@
 package main
 
 import (
-	"fmt"
 	"net"
-	"net/http"
 	"os/exec"
 	"strings"
 	"sync"
@@ -19,16 +17,7 @@ func TestSIGTERMWhileConnectingToKafka(t *testing.T) {
 	db := pgtest.NewDB(t)
 	brokers := freeAddr(t) // nothing listens there
 	p := launch(t, serviceEnv(db.URL, brokers, "e2e-stop-connecting"))
-	waitUntil(t, 30*time.Second, "/readyz to say kafka connecting", func() (bool, string) {
-		p.alive(t, "while waiting for Kafka")
-		code, body := p.Get("/readyz")
-		if code != http.StatusServiceUnavailable {
-			return false, fmt.Sprintf("%d %s", code, body)
-		}
-		failing, _ := readyzBody(t, body)["failing"].(map[string]any)
-		why, _ := failing["kafka"].(string)
-		return strings.Contains(why, "connecting"), body
-	})
+	waitConnecting(t, p, brokers)
 	if err := p.Stop(5 * time.Second); err != nil {
 		t.Fatal(err)
 	}

@@ -7,9 +7,14 @@
 //
 // Every replica runs a Releaser. Each tick reads which groups and target
 // partitions hold rows, asks each group's coordinator for its committed
-// offsets there (one request per group), and deletes, in one statement,
-// every row whose record the group's committed offset has passed. The
-// deletes are idempotent, so replicas need no coordination.
+// offsets there (one request per group), waits until ingest has stored
+// everything produced to the defer topic so far (what the consumer sent
+// back before it committed must be in place first), and deletes, in one
+// statement, every row whose record the group's committed offset has
+// passed. A trigger on deferred_inflight then lifts the 'in-flight' lease
+// of keys with no row left, so that dispatch may claim them again
+// (docs/design.md section 23.3). The deletes are idempotent, so replicas
+// need no coordination.
 package inflight
 
 import (
