@@ -200,11 +200,14 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 		case <-time.After(cfg.Chaos * 2 / 5):
 		}
 		say("rewinding PostgreSQL to the backup: a failover to a replica that lagged, or a restore")
-		to := time.Now()
 		if err := pg.Rewind(ctx, backup); err != nil {
 			fail(err)
 			return
 		}
+		// When the server is back, not when the rewind began: rounds
+		// published while it was down could not be finalized, and go out
+		// again like those the rewind undid.
+		to := time.Now()
 		rewoundTo.Store(&to)
 		rewinds.Add(1)
 		say("PostgreSQL is back, %s behind", cfg.Chaos*2/5)
