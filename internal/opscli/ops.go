@@ -23,6 +23,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/deferq/scheduler/internal/cmdflag"
+	"github.com/deferq/scheduler/internal/operate"
 )
 
 // opsConnectTimeout bounds connecting to the database: an operator asking a
@@ -195,7 +196,7 @@ func (o *ops) withConn(ctx context.Context, environ []string, f func(conn *pgx.C
 		defer cancel()
 		conn.Close(cctx)
 	}()
-	return explainNoSchema(ctx, conn, f(conn))
+	return operate.ExplainNoSchema(ctx, conn, f(conn))
 }
 
 // inTx runs f in a transaction that commits only if f succeeds, so a command
@@ -219,19 +220,6 @@ func inTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, f func(tx pgx
 // snapshot.
 func readOnly() pgx.TxOptions {
 	return pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}
-}
-
-// opsMessage is one message as list.sql and every changing runbook file
-// return it.
-type opsMessage struct {
-	ID          int64     `db:"id" json:"id"`
-	BusinessKey *string   `db:"business_key" json:"business_key"`
-	Seq         int64     `db:"seq" json:"seq"`
-	TargetTopic *string   `db:"target_topic" json:"target_topic"`
-	State       string    `db:"state" json:"state"`
-	NextRunAt   time.Time `db:"next_run_at" json:"next_run_at"`
-	Attempt     int32     `db:"attempt" json:"attempt"`
-	Reason      *string   `db:"reason" json:"reason"`
 }
 
 // parseIDs parses message ids given as arguments, each one id or a
@@ -268,7 +256,7 @@ func idList(ids []int64) string {
 func showRunbook[T any](ctx context.Context, o *ops, environ []string, file string, vars map[string]string,
 	empty string, print func(io.Writer, []T)) (rows []T, code int, done bool) {
 	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		rows, err = runbookRows[T](ctx, conn, file, vars)
+		rows, err = operate.Rows[T](ctx, conn, file, vars)
 		return err
 	})
 	switch {

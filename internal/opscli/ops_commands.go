@@ -12,8 +12,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/deferq/scheduler/internal/operate"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // previewBytes is how much of a value `show` prints without --full: enough
@@ -63,83 +63,27 @@ func cmdStatus(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 	return 0
 }
 
-// backlogRow is a row of backlog.sql.
-type backlogRow struct {
-	TargetTopic *string    `db:"target_topic" json:"target_topic"`
-	State       string     `db:"state" json:"state"`
-	Messages    int64      `db:"messages" json:"messages"`
-	Due         int64      `db:"due" json:"due"`
-	FirstRunAt  *time.Time `db:"first_run_at" json:"first_run_at"`
-	LastRunAt   *time.Time `db:"last_run_at" json:"last_run_at"`
-}
-
-// oldestDueRow is the row of oldest_due.sql.
-type oldestDueRow struct {
-	DueHeads        int64           `db:"due_heads" json:"-"`
-	ID              *int64          `db:"id" json:"id"`
-	BusinessKey     *string         `db:"business_key" json:"business_key"`
-	TargetTopic     *string         `db:"target_topic" json:"target_topic"`
-	DueAt           *time.Time      `db:"due_at" json:"due_at"`
-	Lateness        pgtype.Interval `db:"lateness" json:"-"` // for psql; lateness_seconds is exact
-	LatenessSeconds float64         `db:"lateness_seconds" json:"lateness_seconds"`
-}
-
-// The kinds of held key in held_keys.sql.
-const (
-	heldParked     = "parked"
-	heldBackingOff = "backing_off"
-	heldLeased     = "leased"
-	heldInFlight   = "in_flight"
-)
-
-// heldKeyRow is a row of held_keys.sql.
-type heldKeyRow struct {
-	BusinessKey *string    `db:"business_key" json:"business_key"`
-	Kind        string     `db:"kind" json:"kind"` // parked, backing_off, in_flight or leased
-	Why         string     `db:"why" json:"why"`
-	Failures    int32      `db:"failures" json:"failures"`
-	LeasedUntil *time.Time `db:"leased_until" json:"leased_until"`
-	LeasedBy    *string    `db:"leased_by" json:"leased_by"`
-	HeadID      int64      `db:"head_id" json:"head_id"`
-	HeadSeq     *int64     `db:"head_seq" json:"head_seq"`
-	TargetTopic *string    `db:"target_topic" json:"target_topic"`
-	// NextRunAt is null for a parked head: it never comes due.
-	NextRunAt  *time.Time `db:"next_run_at" json:"next_run_at"`
-	Attempt    *int32     `db:"attempt" json:"attempt"`
-	ErrorClass *string    `db:"error_class" json:"error_class"`
-	Reason     *string    `db:"reason" json:"reason"`       // the parked head's
-	ParkedAt   *time.Time `db:"parked_at" json:"parked_at"` // the parked head's
-	Waiting    int64      `db:"waiting" json:"waiting"`     // pending messages of the key behind the head
-}
-
-// rejectedRow is a row of rejected_recent.sql.
-type rejectedRow struct {
-	Reason   string    `db:"reason" json:"reason"`
-	Messages int64     `db:"messages" json:"messages"`
-	Latest   time.Time `db:"latest" json:"latest"`
-}
-
 // statusReport is what `status` prints.
 type statusReport struct {
-	Backlog          []backlogRow  `json:"backlog"`
-	DueHeads         int64         `json:"due_heads"`
-	LatenessSeconds  float64       `json:"lateness_seconds"`
-	OldestDue        *oldestDueRow `json:"oldest_due"` // null when no head is due
-	HeldKeys         int           `json:"held_keys"`
-	ParkedKeys       int           `json:"parked_keys"` // held by a parked message
-	BackingOffKeys   int           `json:"backing_off_keys"`
-	InFlightKeys     int           `json:"in_flight_keys"` // waiting for their consumer group's commit
-	RejectedLastHour int64         `json:"rejected_last_hour"`
-	RejectedReasons  []rejectedRow `json:"rejected_reasons"`
+	Backlog          []operate.BacklogRow  `json:"backlog"`
+	DueHeads         int64                 `json:"due_heads"`
+	LatenessSeconds  float64               `json:"lateness_seconds"`
+	OldestDue        *operate.OldestDueRow `json:"oldest_due"` // null when no head is due
+	HeldKeys         int                   `json:"held_keys"`
+	ParkedKeys       int                   `json:"parked_keys"` // held by a parked message
+	BackingOffKeys   int                   `json:"backing_off_keys"`
+	InFlightKeys     int                   `json:"in_flight_keys"` // waiting for their consumer group's commit
+	RejectedLastHour int64                 `json:"rejected_last_hour"`
+	RejectedReasons  []operate.RejectedRow `json:"rejected_reasons"`
 }
 
-func readStatus(ctx context.Context, q queryer) (statusReport, error) {
+func readStatus(ctx context.Context, q operate.Queryer) (statusReport, error) {
 	var s statusReport
 	var err error
-	if s.Backlog, err = runbookRows[backlogRow](ctx, q, "backlog.sql", nil); err != nil {
+	if s.Backlog, err = operate.Rows[operate.BacklogRow](ctx, q, "backlog.sql", nil); err != nil {
 		return s, err
 	}
-	due, err := runbookRows[oldestDueRow](ctx, q, "oldest_due.sql", nil)
+	due, err := operate.Rows[operate.OldestDueRow](ctx, q, "oldest_due.sql", nil)
 	if err != nil {
 		return s, err
 	}
@@ -150,22 +94,22 @@ func readStatus(ctx context.Context, q queryer) (statusReport, error) {
 	if due[0].ID != nil {
 		s.OldestDue = &due[0]
 	}
-	held, err := runbookRows[heldKeyRow](ctx, q, "held_keys.sql", nil)
+	held, err := operate.Rows[operate.HeldKeyRow](ctx, q, "held_keys.sql", nil)
 	if err != nil {
 		return s, err
 	}
 	s.HeldKeys = len(held)
 	for _, h := range held {
 		switch h.Kind {
-		case heldParked:
+		case operate.HeldParked:
 			s.ParkedKeys++
-		case heldBackingOff:
+		case operate.HeldBackingOff:
 			s.BackingOffKeys++
-		case heldInFlight:
+		case operate.HeldInFlight:
 			s.InFlightKeys++
 		}
 	}
-	if s.RejectedReasons, err = runbookRows[rejectedRow](ctx, q, "rejected_recent.sql", map[string]string{"window": rejectedWindow}); err != nil {
+	if s.RejectedReasons, err = operate.Rows[operate.RejectedRow](ctx, q, "rejected_recent.sql", map[string]string{"window": rejectedWindow}); err != nil {
 		return s, err
 	}
 	for _, r := range s.RejectedReasons {
@@ -314,99 +258,40 @@ func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 	return 0
 }
 
-// messageRow is the first result of show_message.sql.
-type messageRow struct {
-	opsMessage
-	ErrorClass      *string    `db:"error_class" json:"error_class"`
-	ErrorMessage    *string    `db:"error_message" json:"error_message"`
-	OriginID        *int64     `db:"origin_id" json:"origin_id"`
-	CreatedAt       time.Time  `db:"created_at" json:"created_at"`
-	UpdatedAt       time.Time  `db:"updated_at" json:"updated_at"`
-	SourceTopic     *string    `db:"source_topic" json:"source_topic"`
-	SourcePartition *int32     `db:"source_partition" json:"source_partition"`
-	SourceOffset    *int64     `db:"source_offset" json:"source_offset"`
-	ParkedAt        *time.Time `db:"parked_at" json:"parked_at"`
-	ParkHoldsKey    bool       `db:"park_holds_key" json:"park_holds_key"`
-	DLQTopic        *string    `db:"dlq_topic" json:"dlq_topic"`
-	DLQPublishedAt  *time.Time `db:"dlq_published_at" json:"dlq_published_at"`
-	RedriveCount    int32      `db:"redrive_count" json:"redrive_count"`
-	HoldsKey        bool       `db:"holds_key" json:"holds_key"` // a parked head holding its key
-	WaitingBehind   *int64     `db:"waiting_behind" json:"waiting_behind"`
-	IsHead          bool       `db:"is_head" json:"is_head"`
-	PendingAhead    *int64     `db:"pending_ahead" json:"pending_ahead"`
-	KeyEncoding     *string    `db:"key_encoding" json:"key_encoding"` // text, hex, or null: no key
-	Key             *string    `db:"key" json:"key"`
-	KeyTruncated    bool       `db:"-" json:"key_truncated"`
-	ValueBytes      *int32     `db:"value_bytes" json:"value_bytes"`
-	ValueEncoding   *string    `db:"value_encoding" json:"value_encoding"`
-	Value           *string    `db:"value" json:"value"`
-	ValueTruncated  bool       `db:"-" json:"value_truncated"`
-}
-
-// headerRow is a row of the second result of show_message.sql.
-type headerRow struct {
-	Position  int64   `db:"position" json:"position"`
-	Key       *string `db:"key" json:"key"`
-	Encoding  *string `db:"encoding" json:"encoding"`
-	Value     *string `db:"value" json:"value"`
-	Truncated bool    `db:"-" json:"truncated"`
-}
-
-// lineageRow is a row of the third result of show_message.sql.
-type lineageRow struct {
-	Relation string `db:"relation" json:"relation"`
-	opsMessage
-}
-
-// historyRow is a row of history.sql and of the fourth result of
-// show_message.sql.
-type historyRow struct {
-	LineageID    int64      `db:"lineage_id" json:"lineage_id"`
-	MessageID    int64      `db:"message_id" json:"message_id"`
-	RecordedAt   time.Time  `db:"recorded_at" json:"recorded_at"`
-	Event        string     `db:"event" json:"event"` // deferred, parked, rejected or replayed
-	Attempt      int32      `db:"attempt" json:"attempt"`
-	Reason       *string    `db:"reason" json:"reason"`
-	ErrorClass   *string    `db:"error_class" json:"error_class"`
-	ErrorMessage *string    `db:"error_message" json:"error_message"`
-	TargetTopic  *string    `db:"target_topic" json:"target_topic"`
-	NextRunAt    *time.Time `db:"next_run_at" json:"next_run_at"`
-}
-
 // story is what `show` prints. Message is nil when the message is gone and
 // only its history remains.
 type story struct {
-	Message *messageRow  `json:"message"`
-	Headers []headerRow  `json:"headers"`
-	Lineage []lineageRow `json:"lineage"`
-	History []historyRow `json:"history"`
+	Message *operate.MessageRow  `json:"message"`
+	Headers []operate.HeaderRow  `json:"headers"`
+	Lineage []operate.LineageRow `json:"lineage"`
+	History []operate.HistoryRow `json:"history"`
 }
 
-func readStory(ctx context.Context, q queryer, id int64) (story, error) {
+func readStory(ctx context.Context, q operate.Queryer, id int64) (story, error) {
 	var st story
 	const file = "show_message.sql"
-	sts, err := runbookStatements(file, map[string]string{"id": strconv.FormatInt(id, 10)})
+	sts, err := operate.Statements(file, map[string]string{"id": strconv.FormatInt(id, 10)})
 	if err != nil {
 		return st, err
 	}
 	if len(sts) != 4 {
 		return st, fmt.Errorf("runbook %s: %d statements, want 4", file, len(sts))
 	}
-	rows, err := collectStatement[messageRow](ctx, q, sts[0])
+	rows, err := operate.Collect[operate.MessageRow](ctx, q, sts[0])
 	if err != nil {
-		return st, explainDBError(file, err)
+		return st, operate.ExplainDBError(file, err)
 	}
 	if len(rows) > 0 {
 		st.Message = &rows[0]
 	}
-	if st.Headers, err = collectStatement[headerRow](ctx, q, sts[1]); err != nil {
-		return st, explainDBError(file, err)
+	if st.Headers, err = operate.Collect[operate.HeaderRow](ctx, q, sts[1]); err != nil {
+		return st, operate.ExplainDBError(file, err)
 	}
-	if st.Lineage, err = collectStatement[lineageRow](ctx, q, sts[2]); err != nil {
-		return st, explainDBError(file, err)
+	if st.Lineage, err = operate.Collect[operate.LineageRow](ctx, q, sts[2]); err != nil {
+		return st, operate.ExplainDBError(file, err)
 	}
-	if st.History, err = collectStatement[historyRow](ctx, q, sts[3]); err != nil {
-		return st, explainDBError(file, err)
+	if st.History, err = operate.Collect[operate.HistoryRow](ctx, q, sts[3]); err != nil {
+		return st, operate.ExplainDBError(file, err)
 	}
 	if st.Message == nil && len(st.History) == 0 {
 		return st, fmt.Errorf("no message with id %d, and no history of one", id)
@@ -521,7 +406,7 @@ func (st story) print(w io.Writer, now time.Time) {
 		fmt.Fprintln(w, "Lineage:")
 		t := newTable(w, append([]string{"  RELATION"}, messageColumns()...)...)
 		for _, l := range st.Lineage {
-			t.row(append([]string{"  " + l.Relation}, messageCells(l.opsMessage)...)...)
+			t.row(append([]string{"  " + l.Relation}, messageCells(l.Message)...)...)
 		}
 		t.flush()
 	}
@@ -535,7 +420,7 @@ func (st story) printGone(w io.Writer, id int64) {
 	printHistory(w, st.History)
 }
 
-func printHistory(w io.Writer, h []historyRow) {
+func printHistory(w io.Writer, h []operate.HistoryRow) {
 	if len(h) == 0 {
 		fmt.Fprintln(w, "History: none (pruned, or recorded before history was kept)")
 		return
@@ -619,7 +504,7 @@ func cmdExpedite(ctx context.Context, args, environ []string, stdout, stderr io.
 			return o.exit(usagef("--target is empty"))
 		}
 	}
-	var changed []opsMessage
+	var changed []operate.Message
 	var note string
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
 		switch given[0] {
@@ -641,14 +526,14 @@ func cmdExpedite(ctx context.Context, args, environ []string, stdout, stderr io.
 // expediteAll runs expedite_key.sql or expedite_target.sql. When it changes
 // nothing, it tells a key or target with no pending message (likely a typo:
 // an error) from one whose pending messages are all due already (a note).
-func expediteAll(ctx context.Context, conn *pgx.Conn, file, variable, value, what string) ([]opsMessage, string, error) {
-	changed, err := runbookRows[opsMessage](ctx, conn, file, map[string]string{variable: value})
+func expediteAll(ctx context.Context, conn *pgx.Conn, file, variable, value, what string) ([]operate.Message, string, error) {
+	changed, err := operate.Rows[operate.Message](ctx, conn, file, map[string]string{variable: value})
 	if err != nil || len(changed) > 0 {
 		return sortByID(changed), "", err
 	}
 	filter := map[string]string{"target": "", "state": "pending", "key": "", "reason": "", "limit": "1"}
 	filter[variable] = value
-	pending, err := runbookRows[opsMessage](ctx, conn, "list.sql", filter)
+	pending, err := operate.Rows[operate.Message](ctx, conn, "list.sql", filter)
 	if err != nil {
 		return nil, "", err
 	}
@@ -679,7 +564,7 @@ func cmdCancel(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 	if len(ids) == 0 {
 		return o.exit(usagef("want at least one message id"))
 	}
-	var changed []opsMessage
+	var changed []operate.Message
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
 		changed, err = changeIDs(ctx, conn, "cancel_id.sql", ids, nil, "")
 		return err
@@ -721,7 +606,7 @@ func cmdPark(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 	if strings.TrimSpace(*reason) == "" {
 		return o.exit(usagef("--reason is required: say why, for whoever replays it"))
 	}
-	var changed []opsMessage
+	var changed []operate.Message
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
 		vars := map[string]string{"why": *reason, "release": strconv.FormatBool(*release)}
 		changed, err = changeIDs(ctx, conn, "park_id.sql", ids, vars, "only pending messages can be parked")
@@ -736,9 +621,9 @@ func cmdPark(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 // printChanged prints what a changing command did: the messages as they are
 // now (as they were, for a cancel), then a count, or with --json
 // {"<verb>": n, "messages": [...]} and a note if there is one.
-func (o *ops) printChanged(verb string, changed []opsMessage, note string) error {
+func (o *ops) printChanged(verb string, changed []operate.Message, note string) error {
 	if changed == nil {
-		changed = []opsMessage{}
+		changed = []operate.Message{}
 	}
 	if o.json {
 		out := map[string]any{verb: len(changed), "messages": changed}
@@ -762,21 +647,21 @@ func (o *ops) printChanged(verb string, changed []opsMessage, note string) error
 // transaction that commits only if every id was changed. Otherwise it rolls
 // back and says, for each id left out, whether it does not exist or which
 // state it is in, followed by onlyPending when some exist.
-func changeIDs(ctx context.Context, conn *pgx.Conn, name string, ids []int64, vars map[string]string, onlyPending string) ([]opsMessage, error) {
+func changeIDs(ctx context.Context, conn *pgx.Conn, name string, ids []int64, vars map[string]string, onlyPending string) ([]operate.Message, error) {
 	vars = maps.Clone(vars)
 	if vars == nil {
 		vars = map[string]string{}
 	}
 	vars["ids"] = idList(ids)
-	var changed []opsMessage
+	var changed []operate.Message
 	err := inTx(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
 		var err error
-		if changed, err = runbookRows[opsMessage](ctx, tx, name, vars); err != nil {
+		if changed, err = operate.Rows[operate.Message](ctx, tx, name, vars); err != nil {
 			return err
 		}
 		var missing []int64
 		for _, id := range ids {
-			if !slices.ContainsFunc(changed, func(m opsMessage) bool { return m.ID == id }) {
+			if !slices.ContainsFunc(changed, func(m operate.Message) bool { return m.ID == id }) {
 				missing = append(missing, id)
 			}
 		}
@@ -790,8 +675,8 @@ func changeIDs(ctx context.Context, conn *pgx.Conn, name string, ids []int64, va
 
 // sortByID orders what a statement's RETURNING gave, which comes in no
 // particular order.
-func sortByID(ms []opsMessage) []opsMessage {
-	slices.SortFunc(ms, func(a, b opsMessage) int { return cmp.Compare(a.ID, b.ID) })
+func sortByID(ms []operate.Message) []operate.Message {
+	slices.SortFunc(ms, func(a, b operate.Message) int { return cmp.Compare(a.ID, b.ID) })
 	return ms
 }
 
@@ -800,7 +685,7 @@ func sortByID(ms []opsMessage) []opsMessage {
 // runbook.
 const idStatesQuery = `SELECT id, state FROM deferred_message WHERE id = ANY ($1::bigint[])`
 
-func explainMissing(ctx context.Context, q queryer, missing []int64, onlyPending string) error {
+func explainMissing(ctx context.Context, q operate.Queryer, missing []int64, onlyPending string) error {
 	rows, err := q.Query(ctx, idStatesQuery, missing)
 	if err != nil {
 		return fmt.Errorf("look up ids: %w", err)

@@ -9,6 +9,8 @@ import (
 	"time"
 	"unicode"
 	"unicode/utf8"
+
+	"github.com/deferq/scheduler/internal/operate"
 )
 
 // table prints aligned columns.
@@ -32,7 +34,7 @@ func messageColumns() []string {
 	return []string{"ID", "KEY", "SEQ", "TARGET", "STATE", "DUE", "ATTEMPT", "REASON"}
 }
 
-func messageCells(m opsMessage) []string {
+func messageCells(m operate.Message) []string {
 	return []string{
 		strconv.FormatInt(m.ID, 10), printable(orDash(m.BusinessKey), false), strconv.FormatInt(m.Seq, 10),
 		printable(orDash(m.TargetTopic), false), m.State, formatTime(m.NextRunAt), strconv.Itoa(int(m.Attempt)),
@@ -40,7 +42,7 @@ func messageCells(m opsMessage) []string {
 	}
 }
 
-func printMessages(w io.Writer, ms []opsMessage) {
+func printMessages(w io.Writer, ms []operate.Message) {
 	t := newTable(w, messageColumns()...)
 	for _, m := range ms {
 		t.row(messageCells(m)...)

@@ -6,6 +6,8 @@ import (
 	"io"
 	"strconv"
 	"time"
+
+	"github.com/deferq/scheduler/internal/operate"
 )
 
 const heldHelp = `Usage: scheduler held [--json]
@@ -38,13 +40,13 @@ func cmdHeld(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 		return o.exit(usagef("unexpected argument %q", pos[0]))
 	}
 	// printHeld says itself when no key is held.
-	_, code, _ = showRunbook(ctx, o, environ, "held_keys.sql", nil, "", func(w io.Writer, rows []heldKeyRow) {
+	_, code, _ = showRunbook(ctx, o, environ, "held_keys.sql", nil, "", func(w io.Writer, rows []operate.HeldKeyRow) {
 		printHeld(w, rows, time.Now())
 	})
 	return code
 }
 
-func printHeld(w io.Writer, rows []heldKeyRow, now time.Time) {
+func printHeld(w io.Writer, rows []operate.HeldKeyRow, now time.Time) {
 	if len(rows) == 0 {
 		fmt.Fprintln(w, "no key is held")
 		return
@@ -52,31 +54,31 @@ func printHeld(w io.Writer, rows []heldKeyRow, now time.Time) {
 	kinds := []struct {
 		kind, title string
 		header      []string
-		cells       func(h heldKeyRow) []string
+		cells       func(h operate.HeldKeyRow) []string
 	}{
 		{
-			heldParked, "Held by a parked message (replay or cancel it to release the key):",
+			operate.HeldParked, "Held by a parked message (replay or cancel it to release the key):",
 			[]string{"PARKED AT", "REASON"},
-			func(h heldKeyRow) []string {
+			func(h operate.HeldKeyRow) []string {
 				return []string{formatTimePtr(h.ParkedAt), printable(orDash(h.Reason), false)}
 			},
 		},
 		{
-			heldBackingOff, "Backing off after failed publishes (they retry by themselves):",
+			operate.HeldBackingOff, "Backing off after failed publishes (they retry by themselves):",
 			[]string{"FAILURES", "RETRY", "ERROR CLASS"},
-			func(h heldKeyRow) []string {
+			func(h operate.HeldKeyRow) []string {
 				return []string{strconv.Itoa(int(h.Failures)), retryAt(h.LeasedUntil, now), printable(orDash(h.ErrorClass), false)}
 			},
 		},
 		{
-			heldInFlight, "In flight: republished, waiting for the consumer group to commit (scheduler inflight; scheduler release):",
+			operate.HeldInFlight, "In flight: republished, waiting for the consumer group to commit (scheduler inflight; scheduler release):",
 			nil,
-			func(heldKeyRow) []string { return nil },
+			func(operate.HeldKeyRow) []string { return nil },
 		},
 		{
-			heldLeased, "Leased by a dispatcher (publishing now):",
+			operate.HeldLeased, "Leased by a dispatcher (publishing now):",
 			[]string{"LEASED BY", "UNTIL"},
-			func(h heldKeyRow) []string {
+			func(h operate.HeldKeyRow) []string {
 				return []string{printable(orDash(h.LeasedBy), false), formatTimePtr(h.LeasedUntil)}
 			},
 		},

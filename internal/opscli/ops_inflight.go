@@ -12,25 +12,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/deferq/scheduler/internal/operate"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 )
 
-// inflightRow is a row of inflight.sql and release_inflight.sql.
-type inflightRow struct {
-	GroupID      string          `db:"group_id" json:"group_id"`
-	BusinessKey  string          `db:"business_key" json:"business_key"`
-	TargetTopic  string          `db:"target_topic" json:"target_topic"`
-	Partition    int32           `db:"partition" json:"partition"`
-	RecordOffset int64           `db:"record_offset" json:"record_offset"`
-	MessageID    int64           `db:"message_id" json:"message_id"`
-	Seq          int64           `db:"seq" json:"seq"`
-	PublishedAt  time.Time       `db:"published_at" json:"published_at"`
-	Age          pgtype.Interval `db:"age" json:"-"` // for psql; age_seconds is exact
-	AgeSeconds   float64         `db:"age_seconds" json:"age_seconds"`
-}
-
-func printInflight(w io.Writer, rows []inflightRow) {
+func printInflight(w io.Writer, rows []operate.InflightRow) {
 	t := newTable(w, "GROUP", "KEY", "TARGET", "PARTITION", "OFFSET", "MESSAGE", "PUBLISHED AT", "AGE")
 	for _, r := range rows {
 		t.row(printable(r.GroupID, false), printable(r.BusinessKey, false), printable(r.TargetTopic, false),
@@ -101,10 +87,10 @@ type releaseReport struct {
 	Group string  `json:"group"`
 	Key   *string `json:"key"` // null: every key of the group
 	// DryRun: nothing was released; Matched says what would have been.
-	DryRun   bool          `json:"dry_run"`
-	Matched  int           `json:"matched"`
-	Released int           `json:"released"`
-	Keys     []inflightRow `json:"keys"`
+	DryRun   bool                  `json:"dry_run"`
+	Matched  int                   `json:"matched"`
+	Released int                   `json:"released"`
+	Keys     []operate.InflightRow `json:"keys"`
 }
 
 // cmdRelease implements `scheduler release`.
@@ -129,9 +115,9 @@ func cmdRelease(ctx context.Context, args, environ []string, stdout, stderr io.W
 	}
 	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
 		if *dryRun {
-			rep.Keys, err = runbookRows[inflightRow](ctx, conn, "inflight.sql", map[string]string{"group": *group, "key": *key, "limit": ""})
+			rep.Keys, err = operate.Rows[operate.InflightRow](ctx, conn, "inflight.sql", map[string]string{"group": *group, "key": *key, "limit": ""})
 		} else {
-			rep.Keys, err = runbookRows[inflightRow](ctx, conn, "release_inflight.sql", map[string]string{"group": *group, "key": *key})
+			rep.Keys, err = operate.Rows[operate.InflightRow](ctx, conn, "release_inflight.sql", map[string]string{"group": *group, "key": *key})
 		}
 		return err
 	})

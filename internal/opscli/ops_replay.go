@@ -18,6 +18,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/deferq/scheduler/internal/operate"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -73,28 +74,6 @@ Examples:
   scheduler replay --state rejected --reason target_not_allowed --id 1234,1235
 `
 
-// replayCandidate is a row of replay_preview.sql.
-type replayCandidate struct {
-	ID           int64     `db:"id" json:"id"`
-	BusinessKey  *string   `db:"business_key" json:"business_key"`
-	Seq          int64     `db:"seq" json:"seq"`
-	TargetTopic  *string   `db:"target_topic" json:"target_topic"`
-	State        string    `db:"state" json:"state"`
-	Reason       *string   `db:"reason" json:"reason"`
-	ErrorClass   *string   `db:"error_class" json:"error_class"`
-	Attempt      int32     `db:"attempt" json:"attempt"`
-	RedriveCount int32     `db:"redrive_count" json:"redrive_count"`
-	Since        time.Time `db:"since" json:"since"` // parked_at; for a rejected message, updated_at
-	HoldsKey     bool      `db:"holds_key" json:"holds_key"`
-	Replayable   bool      `db:"replayable" json:"replayable"`
-}
-
-// replayedMessage is a row of replay.sql.
-type replayedMessage struct {
-	opsMessage
-	RedriveCount int32 `db:"redrive_count" json:"redrive_count"`
-}
-
 // replayGroup counts matching messages by target and reason code.
 type replayGroup struct {
 	TargetTopic *string `json:"target_topic"`
@@ -109,15 +88,15 @@ type replayReport struct {
 	Matched int    `json:"matched"`
 	// Groups and Candidates describe every matching message, replayable or
 	// not; NotReplayable lists those that cannot be (no target topic).
-	Groups        []replayGroup     `json:"groups"`
-	Candidates    []replayCandidate `json:"candidates"`
-	NotReplayable []int64           `json:"not_replayable"`
+	Groups        []replayGroup             `json:"groups"`
+	Candidates    []operate.ReplayCandidate `json:"candidates"`
+	NotReplayable []int64                   `json:"not_replayable"`
 	// Replayed is how many moved; LeftAlone how many replayable ones changed
 	// between the preview and the replay and were not touched.
-	Replayed  int               `json:"replayed"`
-	LeftAlone int               `json:"left_alone"`
-	Rate      *float64          `json:"rate"`
-	Messages  []replayedMessage `json:"messages"`
+	Replayed  int                       `json:"replayed"`
+	LeftAlone int                       `json:"left_alone"`
+	Rate      *float64                  `json:"rate"`
+	Messages  []operate.ReplayedMessage `json:"messages"`
 }
 
 // replayFilter is what replay selects by. Empty fields do not filter.
@@ -346,14 +325,14 @@ func quoteIfNeeded(s string) string {
 
 // replay previews, asks if need be, and replays.
 func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt replayOptions, stdin io.Reader) error {
-	cands, err := runbookRows[replayCandidate](ctx, conn, "replay_preview.sql", f.vars())
+	cands, err := operate.Rows[operate.ReplayCandidate](ctx, conn, "replay_preview.sql", f.vars())
 	if err != nil {
 		return err
 	}
 	what := strings.Join(f.described, " ")
 	rep := replayReport{
 		State: f.state, DryRun: opt.dryRun, Matched: len(cands), Groups: groupCandidates(cands),
-		Candidates: cands, NotReplayable: []int64{}, Rate: opt.rate, Messages: []replayedMessage{},
+		Candidates: cands, NotReplayable: []int64{}, Rate: opt.rate, Messages: []operate.ReplayedMessage{},
 	}
 	if len(cands) == 0 {
 		if !opt.dryRun {
@@ -407,11 +386,11 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 		vars["rate"] = formatRate(*opt.rate)
 	}
 	vars["reset_attempts"] = strconv.FormatBool(opt.resetAttempts)
-	moved, err := runbookRows[replayedMessage](ctx, conn, "replay.sql", vars)
+	moved, err := operate.Rows[operate.ReplayedMessage](ctx, conn, "replay.sql", vars)
 	if err != nil {
 		return err
 	}
-	slices.SortFunc(moved, func(a, b replayedMessage) int {
+	slices.SortFunc(moved, func(a, b operate.ReplayedMessage) int {
 		return cmp.Or(a.NextRunAt.Compare(b.NextRunAt), cmp.Compare(a.ID, b.ID))
 	})
 	rep.Replayed, rep.LeftAlone, rep.Messages = len(moved), len(replayable)-len(moved), moved
@@ -463,7 +442,7 @@ func reasonCode(reason *string) string {
 	return code
 }
 
-func groupCandidates(cands []replayCandidate) []replayGroup {
+func groupCandidates(cands []operate.ReplayCandidate) []replayGroup {
 	type groupKey struct {
 		target *string
 		reason string

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/operate"
 	"github.com/deferq/scheduler/internal/opscli/opsjson"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
@@ -480,7 +481,7 @@ func TestReplayLeavesChangedRowsAlone(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Release()
-	moved, err := runbookRows[replayedMessage](ctx, conn.Conn(), "replay.sql", vars)
+	moved, err := operate.Rows[operate.ReplayedMessage](ctx, conn.Conn(), "replay.sql", vars)
 	if err != nil {
 		t.Fatal(err)
 	}

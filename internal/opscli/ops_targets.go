@@ -11,30 +11,20 @@ import (
 	"math"
 	"strconv"
 	"strings"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/deferq/scheduler/internal/defer/protocol"
+	"github.com/deferq/scheduler/internal/operate"
 )
-
-// targetRow is a row of target_control as every target runbook file prints
-// it.
-type targetRow struct {
-	TargetTopic string    `db:"target_topic" json:"target_topic"`
-	Paused      bool      `db:"paused" json:"paused"`
-	RateLimit   *float64  `db:"rate_limit" json:"rate_limit"` // messages per second; null: none
-	Note        *string   `db:"note" json:"note"`
-	UpdatedAt   time.Time `db:"updated_at" json:"updated_at"`
-}
 
 // targetChange is what pause, resume and limit print with --json.
 type targetChange struct {
 	// Changed is false when the target already was as asked (resume of a
 	// target that is not paused, limit off of one without a limit).
-	Changed bool      `json:"changed"`
-	Target  targetRow `json:"target"`
-	Note    string    `json:"note,omitempty"`
+	Changed bool              `json:"changed"`
+	Target  operate.TargetRow `json:"target"`
+	Note    string            `json:"note,omitempty"`
 }
 
 // parseTarget checks the TARGET argument of the target commands: one legal
@@ -92,9 +82,9 @@ func cmdPause(ctx context.Context, args, environ []string, stdout, stderr io.Wri
 	if err != nil {
 		return o.exit(err)
 	}
-	var rows []targetRow
+	var rows []operate.TargetRow
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		rows, err = runbookRows[targetRow](ctx, conn, "pause_target.sql", map[string]string{"target": target, "note": *note})
+		rows, err = operate.Rows[operate.TargetRow](ctx, conn, "pause_target.sql", map[string]string{"target": target, "note": *note})
 		return err
 	})
 	if err == nil && len(rows) != 1 {
@@ -203,7 +193,7 @@ func changeTarget(ctx context.Context, conn *pgx.Conn, file, target string, vars
 	for k, v := range vars {
 		all[k] = v
 	}
-	rows, err := runbookRows[targetRow](ctx, conn, file, all)
+	rows, err := operate.Rows[operate.TargetRow](ctx, conn, file, all)
 	if err != nil {
 		return targetChange{}, err
 	}
@@ -213,7 +203,7 @@ func changeTarget(ctx context.Context, conn *pgx.Conn, file, target string, vars
 	if len(rows) > 1 {
 		return targetChange{}, fmt.Errorf("runbook %s: %d rows, want at most 1", file, len(rows))
 	}
-	targets, err := runbookRows[targetRow](ctx, conn, "targets.sql", nil)
+	targets, err := operate.Rows[operate.TargetRow](ctx, conn, "targets.sql", nil)
 	if err != nil {
 		return targetChange{}, err
 	}
@@ -231,7 +221,7 @@ func (o *ops) printTargetChange(verb string, c targetChange) error {
 	if o.json {
 		return o.printJSON(c)
 	}
-	printTargets(o.stdout, []targetRow{c.Target})
+	printTargets(o.stdout, []operate.TargetRow{c.Target})
 	if c.Note != "" {
 		_, err := fmt.Fprintln(o.stdout, c.Note)
 		return err
@@ -240,7 +230,7 @@ func (o *ops) printTargetChange(verb string, c targetChange) error {
 	return err
 }
 
-func printTargets(w io.Writer, rows []targetRow) {
+func printTargets(w io.Writer, rows []operate.TargetRow) {
 	t := newTable(w, "TARGET", "PAUSED", "RATE LIMIT", "UPDATED AT", "NOTE")
 	for _, r := range rows {
 		paused, limit := "no", "-"

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/operate"
 	"github.com/deferq/scheduler/internal/pgtest"
 	"github.com/deferq/scheduler/sql/runbook"
 )
@@ -400,7 +401,7 @@ func TestRunbookHeaders(t *testing.T) {
 				for _, m := range setVar.FindAllStringSubmatch(c[1], -1) {
 					vars[m[1]] = "1"
 				}
-				if _, err := bindPsqlVars(q, vars); err != nil {
+				if _, err := operate.Bind(q, vars); err != nil {
 					t.Errorf("the call %q does not set exactly the file's variables: %v", strings.TrimSpace(c[0]), err)
 				}
 			}

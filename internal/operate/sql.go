@@ -1,4 +1,4 @@
-package opscli
+package operate
 
 import (
 	"context"
@@ -15,14 +15,14 @@ import (
 	"github.com/deferq/scheduler/sql/runbook"
 )
 
-// boundStatement is one statement of a runbook file with its psql variables
+// Statement is one statement of a runbook file with its psql variables
 // turned into pgx placeholders.
-type boundStatement struct {
+type Statement struct {
 	SQL  string
 	Args []any
 }
 
-// bindPsqlVars prepares a psql script for pgx, so that the operator commands
+// Bind prepares a psql script for pgx, so that the operator commands
 // run the runbook files exactly as an operator does with psql -f. It splits
 // query into statements at top-level semicolons and replaces each psql
 // variable reference, :'name' (a text literal) or :name (a number), with a
@@ -36,9 +36,9 @@ type boundStatement struct {
 // A reference to a variable missing from vars, a variable in vars that the
 // script never uses (a typo in the caller), psql meta-commands and the
 // :"name" and :{?name} forms are errors: the runbook files use none of them.
-func bindPsqlVars(query string, vars map[string]string) ([]boundStatement, error) {
+func Bind(query string, vars map[string]string) ([]Statement, error) {
 	var (
-		out     []boundStatement
+		out     []Statement
 		b       strings.Builder
 		args    []any
 		slot    = map[string]int{} // name -> placeholder number in this statement
@@ -49,7 +49,7 @@ func bindPsqlVars(query string, vars map[string]string) ([]boundStatement, error
 	)
 	finish := func() {
 		if content {
-			out = append(out, boundStatement{SQL: strings.TrimSpace(b.String()), Args: args})
+			out = append(out, Statement{SQL: strings.TrimSpace(b.String()), Args: args})
 		}
 		b.Reset()
 		args, slot, content = nil, map[string]int{}, false
@@ -242,29 +242,29 @@ func validVarName(s string) bool {
 	return true
 }
 
-// runbookStatements returns the statements of the runbook file name with
+// Statements returns the statements of the runbook file name with
 // vars bound.
-func runbookStatements(name string, vars map[string]string) ([]boundStatement, error) {
+func Statements(name string, vars map[string]string) ([]Statement, error) {
 	q, err := runbook.Query(name)
 	if err != nil {
 		return nil, err
 	}
-	sts, err := bindPsqlVars(q, vars)
+	sts, err := Bind(q, vars)
 	if err != nil {
 		return nil, fmt.Errorf("runbook %s: %w", name, err)
 	}
 	return sts, nil
 }
 
-// queryer runs a statement: a connection or a transaction.
-type queryer interface {
+// Queryer runs a statement: a connection or a transaction.
+type Queryer interface {
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 }
 
-// collectStatement runs st and scans its rows into T by column name. Every
+// Collect runs st and scans its rows into T by column name. Every
 // column must have a field: a runbook file and the command that reads it
 // change together.
-func collectStatement[T any](ctx context.Context, q queryer, st boundStatement) ([]T, error) {
+func Collect[T any](ctx context.Context, q Queryer, st Statement) ([]T, error) {
 	rows, err := q.Query(ctx, st.SQL, st.Args...)
 	if err != nil {
 		return nil, err
@@ -276,26 +276,26 @@ func collectStatement[T any](ctx context.Context, q queryer, st boundStatement) 
 	return out, err
 }
 
-// runbookRows runs the runbook file name, which must be one statement, and
+// Rows runs the runbook file name, which must be one statement, and
 // scans its rows into T.
-func runbookRows[T any](ctx context.Context, q queryer, name string, vars map[string]string) ([]T, error) {
-	sts, err := runbookStatements(name, vars)
+func Rows[T any](ctx context.Context, q Queryer, name string, vars map[string]string) ([]T, error) {
+	sts, err := Statements(name, vars)
 	if err != nil {
 		return nil, err
 	}
 	if len(sts) != 1 {
 		return nil, fmt.Errorf("runbook %s: %d statements, want 1", name, len(sts))
 	}
-	rows, err := collectStatement[T](ctx, q, sts[0])
+	rows, err := Collect[T](ctx, q, sts[0])
 	if err != nil {
-		return nil, explainDBError(name, err)
+		return nil, ExplainDBError(name, err)
 	}
 	return rows, nil
 }
 
-// explainDBError names the runbook file that failed and adds what an
+// ExplainDBError names the runbook file that failed and adds what an
 // operator should do about the errors the README documents.
-func explainDBError(name string, err error) error {
+func ExplainDBError(name string, err error) error {
 	var pe *pgconn.PgError
 	if errors.As(err, &pe) && pe.Code == pgerrcode.DeadlockDetected {
 		return fmt.Errorf("runbook %s: %w: a dispatcher was finalizing some of the same messages; nothing changed, run it again", name, err)
@@ -303,12 +303,12 @@ func explainDBError(name string, err error) error {
 	return fmt.Errorf("runbook %s: %w", name, err)
 }
 
-// explainNoSchema turns the error of a statement that ran into a missing
+// ExplainNoSchema turns the error of a statement that ran into a missing
 // table (undefined_table) into what is wrong and what to do: the database
 // was never migrated (or not fully), not a bug in the command. Every
 // operator command's statements run under withConn, which calls it with
 // the connection they ran on.
-func explainNoSchema(ctx context.Context, conn *pgx.Conn, err error) error {
+func ExplainNoSchema(ctx context.Context, conn *pgx.Conn, err error) error {
 	var pe *pgconn.PgError
 	if !errors.As(err, &pe) || pe.Code != pgerrcode.UndefinedTable {
 		return err
