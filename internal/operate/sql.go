@@ -326,3 +326,21 @@ func ExplainNoSchema(ctx context.Context, conn *pgx.Conn, err error) error {
 	return fmt.Errorf("the database %s at %s:%d %s (%s): run `scheduler migrate` with this DATABASE_URL",
 		cc.Database, cc.Host, cc.Port, what, pe.Message)
 }
+
+// Execer runs a statement that returns no rows: a connection or a
+// transaction.
+type Execer interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+}
+
+// SetActor names who makes the changes of the rest of the transaction
+// (for example "console:alice" or "cli:bob"): the history triggers record it
+// in deferred_attempt.actor, and where it is not set they record the
+// database's session_user, which is who an operator with psql is. It lasts
+// until the transaction ends, so it must run inside one.
+func SetActor(ctx context.Context, q Execer, actor string) error {
+	if _, err := q.Exec(ctx, "SELECT set_config('scheduler.actor', $1, true)", actor); err != nil {
+		return fmt.Errorf("set the actor of this change: %w", err)
+	}
+	return nil
+}
