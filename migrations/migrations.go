@@ -272,7 +272,12 @@ func Apply(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) (Result
 	defer conn.Exec(context.WithoutCancel(ctx), "SELECT pg_advisory_unlock($1)", lockKey)
 
 	var res Result
-	migrator, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{Logger: logger})
+	// River logs each of its migrations at info in its own words
+	// ("rivermigrate.Migrator[v5.Tx]: Applied migration"); the caller
+	// reports what was applied (Result.River), so only River's warnings and
+	// errors are worth a line, marked as River's.
+	migrator, err := rivermigrate.New(riverpgxv5.New(pool), &rivermigrate.Config{
+		Logger: slog.New(warnOnly{logger.Handler()}).With("component", "river")})
 	if err != nil {
 		return Result{}, fmt.Errorf("river migrator: %w", err)
 	}
@@ -577,3 +582,16 @@ func definitionsChangedSince() (func(file string, version int) bool, error) {
 		return !ok || v > version
 	}, nil
 }
+
+// warnOnly passes on the records of its handler at warn and above.
+type warnOnly struct{ slog.Handler }
+
+func (h warnOnly) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= slog.LevelWarn && h.Handler.Enabled(ctx, l)
+}
+
+func (h warnOnly) WithAttrs(attrs []slog.Attr) slog.Handler {
+	return warnOnly{h.Handler.WithAttrs(attrs)}
+}
+
+func (h warnOnly) WithGroup(name string) slog.Handler { return warnOnly{h.Handler.WithGroup(name)} }

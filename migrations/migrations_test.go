@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"log/slog"
 	"maps"
 	"slices"
@@ -278,8 +279,8 @@ func TestApplyConcurrent(t *testing.T) {
 			WHERE tgrelid = 'deferred_message'::regclass AND NOT tgisinternal`).Scan(&triggers); err != nil {
 			t.Fatal(err)
 		}
-		if triggers != 7 {
-			t.Errorf("round %s: deferred_message has %d triggers, want 7 (heads on insert, update, delete, truncate; touch; history on insert, update)", round.name, triggers)
+		if triggers != 8 {
+			t.Errorf("round %s: deferred_message has %d triggers, want 8 (heads on insert, update, delete, truncate; touch; history on insert, update, delete)", round.name, triggers)
 		}
 	}
 }
@@ -427,5 +428,79 @@ func TestUpgradeKeepsParkedRowsReleasing(t *testing.T) {
 	want["b"] = "seq=3 held=t due=f"
 	if got := heads(); !maps.Equal(got, want) {
 		t.Errorf("heads after parking b's head = %v, want %v", got, want)
+	}
+}
+
+// Migration 0007 rewrites the reasons of the releases before one list of
+// reason codes: dispatch's "publish_failed: <code>: ..." becomes
+// "<code>: ...", an operator's "parked by operator: ..." becomes
+// "operator: ...", in messages and in their history, and the rewrite is no
+// change of the message (its updated_at stays).
+func TestUpgradeRewritesReasonCodes(t *testing.T) {
+	all := mustAll(t)
+	pool := newPool(t, emptyDB(t))
+	ctx := t.Context()
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%.60s: %v", sql, err)
+		}
+	}
+	var at7 int
+	for i, m := range all {
+		if m.Version == 7 {
+			at7 = i
+			break
+		}
+		exec(m.SQL)
+	}
+	if at7 == 0 {
+		t.Fatalf("no migration 0007 in %v", versions(all))
+	}
+	exec(`INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at) VALUES
+		(1, 'a', 1, 't', now()), (2, 'b', 2, 't', now()), (3, 'c', 3, 't', now()), (4, 'd', 4, 't', now())`)
+	exec(`UPDATE deferred_message SET state = 'parked', reason = CASE id
+		WHEN 1 THEN 'publish_failed: unknown_topic: kafka server: unknown topic'
+		WHEN 2 THEN 'parked by operator: bad address'
+		WHEN 3 THEN 'exhausted: after 5 retries'
+		WHEN 4 THEN 'publish_failed: too_large: 2 MB' END`)
+	// The touch trigger would set updated_at to now().
+	exec(`ALTER TABLE deferred_message DISABLE TRIGGER deferred_message_touch`)
+	exec(`UPDATE deferred_message SET updated_at = '2024-01-01T00:00:00Z'`)
+	exec(`ALTER TABLE deferred_message ENABLE TRIGGER deferred_message_touch`)
+	exec(all[at7].SQL)
+
+	want := map[int64]string{
+		1: "unknown_topic: kafka server: unknown topic", 2: "operator: bad address",
+		3: "exhausted: after 5 retries", 4: "too_large: 2 MB",
+	}
+	for _, table := range []string{"deferred_message", "deferred_attempt"} {
+		idCol := "id"
+		if table == "deferred_attempt" {
+			idCol = "message_id"
+		}
+		rows, err := pool.Query(ctx, fmt.Sprintf(`SELECT %s, reason FROM %s WHERE reason IS NOT NULL`, idCol, table))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[int64]string{}
+		for rows.Next() {
+			var id int64
+			var reason string
+			if err := rows.Scan(&id, &reason); err != nil {
+				t.Fatal(err)
+			}
+			got[id] = reason
+		}
+		if !maps.Equal(got, want) {
+			t.Errorf("%s reasons after 0007: %v, want %v", table, got, want)
+		}
+	}
+	var touched int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM deferred_message WHERE updated_at <> '2024-01-01T00:00:00Z'`).Scan(&touched); err != nil {
+		t.Fatal(err)
+	}
+	if touched != 0 {
+		t.Errorf("0007 changed updated_at of %d messages", touched)
 	}
 }

@@ -165,9 +165,9 @@ func TestBadInputAtScale(t *testing.T) {
 	add(badCase{name: "value just under 1 MiB", key: []byte("big-1"), value: randomBytes(1<<20 - 4096),
 		headers: ctl("defer.delay", "0"), state: "delivered"})
 	add(badCase{name: "value of 1 MiB", key: []byte("big-2"), value: randomBytes(1 << 20),
-		headers: ctl("defer.delay", "0"), state: "parked", reason: "publish_failed: too_large:", bizKey: ptr("big-2")})
+		headers: ctl("defer.delay", "0"), state: "parked", reason: "too_large:", bizKey: ptr("big-2")})
 	add(badCase{name: "larger than the target accepts", key: []byte("small-1"), value: randomBytes(2 * smallMax),
-		headers: hdrs("defer.target", smallTopic, "defer.delay", "0"), state: "parked", reason: "publish_failed: too_large:", bizKey: ptr("small-1")})
+		headers: hdrs("defer.target", smallTopic, "defer.delay", "0"), state: "parked", reason: "too_large:", bizKey: ptr("small-1")})
 	// Behind the parked one: the default policy's parking holds the key.
 	add(badCase{name: "behind the too large one", key: []byte("small-1"), value: []byte("next"),
 		headers: ctl("defer.delay", "0"), state: "pending", bizKey: ptr("small-1")})

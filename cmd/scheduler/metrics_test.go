@@ -246,7 +246,7 @@ func TestMetricsFollowAScriptedRun(t *testing.T) {
 			t.Errorf("%s{target=%s,kind=unknown_topic} != 1", metrics.DispatchPublishErrors, missingTopic)
 		}
 		if !s.is(1, metrics.DispatchParked, "target", missingTopic, "reason", "unknown_topic") {
-			t.Errorf("%s{target=%s,reason=publish_failed} != 1", metrics.DispatchParked, missingTopic)
+			t.Errorf("%s{target=%s,reason=unknown_topic} != 1", metrics.DispatchParked, missingTopic)
 		}
 		if _, ok := s.value(metrics.DispatchPublished, "target", flakyTopic); ok {
 			t.Errorf("%s counts %s, whose produces all failed", metrics.DispatchPublished, flakyTopic)

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -124,6 +125,52 @@ func TestLogLinesCarryOneComponent(t *testing.T) {
 	for _, line := range strings.Split(p.Logs(), "\n") {
 		if n := strings.Count(line, "component="); n > 1 {
 			t.Errorf("%d components on one line: %s", n, line)
+		}
+	}
+}
+
+// `scheduler migrate` speaks for itself: River's own info lines
+// ("rivermigrate.Migrator[...]: Applied migration") stay out of its output,
+// which says what it applied, River's migrations included.
+func TestMigrateOutputIsTheSchedulers(t *testing.T) {
+	dbURL, _ := emptyDB(t)
+	cmd := exec.Command(binary(t), "migrate")
+	cmd.Env = []string{"DATABASE_URL=" + dbURL}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("migrate: %v\n%s", err, out)
+	}
+	if strings.Contains(string(out), "rivermigrate") || strings.Contains(string(out), "Applied migration") {
+		t.Errorf("migrate prints River's log lines:\n%s", out)
+	}
+	if !strings.Contains(string(out), "migrations applied: ") || !strings.Contains(string(out), " of River's\n") {
+		t.Errorf("migrate does not say what it applied:\n%s", out)
+	}
+}
+
+// `scheduler run --help` gives, beside each variable's default, the form a
+// valid value takes: the same words as the README and the error messages.
+func TestRunHelpGivesEachVariablesForm(t *testing.T) {
+	out, err := exec.Command(binary(t), "run", "--help").CombinedOutput()
+	if err != nil {
+		t.Fatalf("run --help: %v\n%s", err, out)
+	}
+	lines := strings.Split(string(out), "\n")
+	for _, v := range config.Vars() {
+		if v.Form == "" {
+			continue
+		}
+		found := false
+		for _, l := range lines {
+			if f := strings.Fields(l); len(f) > 0 && f[0] == v.Name {
+				found = true
+				if !strings.Contains(l, v.Help+" (accepts: "+v.Form+")") {
+					t.Errorf("run --help: the line of %s lacks %q:\n%s", v.Name, "(accepts: "+v.Form+")", l)
+				}
+			}
+		}
+		if !found {
+			t.Errorf("run --help has no line for %s", v.Name)
 		}
 	}
 }

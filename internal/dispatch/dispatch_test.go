@@ -206,13 +206,13 @@ func TestDispatcherParksHoldOrReleaseKey(t *testing.T) {
 		reason  string // LIKE pattern of the parked row's reason
 	}{
 		{name: "unknown topic", target: "orders.nosuchtopic", value: []byte("bad"), allowed: dispatchtest.AllowAll,
-			reason: "publish_failed: unknown_topic:%"},
+			reason: "unknown_topic:%"},
 		{name: "target outside TARGET_TOPICS", target: dispatchtest.TopicB, value: []byte("forbidden"), allowed: protocol.TargetPatterns{"orders.*"},
 			reason: "target_not_allowed:%"},
 		{name: "invalid target name", target: "orders retry", value: []byte("bad"), allowed: dispatchtest.AllowAll,
 			reason: "invalid_target:%"},
 		{name: "too large", target: dispatchtest.TopicA, value: bytes.Repeat([]byte("x"), 1_100_000), allowed: dispatchtest.AllowAll,
-			reason: "publish_failed: too_large:%"},
+			reason: "too_large:%"},
 	}
 	for _, tc := range cases {
 		for _, release := range []bool{false, true} {

@@ -33,6 +33,7 @@ import (
 	"github.com/deferq/scheduler/internal/highwater"
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/metrics"
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // Config tunes a Dispatcher.
@@ -498,9 +499,9 @@ func (d *Dispatcher) claimLimited(ctx context.Context, maxBytes int) ([]keylock.
 func (d *Dispatcher) refuse(target string) string {
 	switch {
 	case !protocol.ValidTopic(target):
-		return fmt.Sprintf("invalid_target: target_topic %q is not a valid Kafka topic name", target)
+		return reason.Format(reason.InvalidTarget, fmt.Sprintf("target_topic %q is not a valid Kafka topic name", target))
 	case !d.cfg.Targets.Allows(target):
-		return fmt.Sprintf("target_not_allowed: target_topic %q is not in TARGET_TOPICS (changed after ingest?)", target)
+		return reason.Format(reason.TargetNotAllowed, fmt.Sprintf("target_topic %q is not in TARGET_TOPICS (changed after ingest?)", target))
 	}
 	return ""
 }

@@ -2,7 +2,6 @@ package dispatch
 
 import (
 	"errors"
-	"fmt"
 	"slices"
 	"strconv"
 	"strings"
@@ -13,6 +12,7 @@ import (
 	"github.com/deferq/scheduler/internal/batchproducer"
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/keylock"
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // Producer is what dispatch publishes with: a batchproducer.Producer in the
@@ -242,7 +242,9 @@ func classify(err error) (errorKind, string) {
 	if code == "retriable" {
 		return retriable, code
 	}
-	return permanent, fmt.Sprintf("publish_failed: %s: %v", code, err)
+	// The stored reason is "code: detail" like every other (package reason),
+	// so that its code is the metric's kind and what --reason filters on.
+	return permanent, reason.Format(code, err.Error())
 }
 
 // PublishErrorCode names a publish error for metrics and reasons: the code of
@@ -253,20 +255,20 @@ func PublishErrorCode(err error) string {
 	switch {
 	case errors.As(err, &encErr):
 		// The client cannot encode it: it would fail the same way again.
-		return "invalid_record"
+		return reason.InvalidRecord
 	case errors.As(err, &cfgErr) && strings.Contains(string(cfgErr), "MaxMessageBytes"):
 		// sarama checks the size before sending and reports it this way.
-		return "too_large"
+		return reason.TooLarge
 	case errors.Is(err, sarama.ErrUnknownTopicOrPartition):
-		return "unknown_topic"
+		return reason.UnknownTopic
 	case errors.Is(err, sarama.ErrInvalidTopic):
-		return "invalid_topic"
+		return reason.InvalidTopic
 	case errors.Is(err, sarama.ErrTopicAuthorizationFailed):
-		return "not_authorized"
+		return reason.NotAuthorized
 	case errors.Is(err, sarama.ErrMessageSizeTooLarge), errors.Is(err, sarama.ErrMessageSetSizeTooLarge):
-		return "too_large"
+		return reason.TooLarge
 	case errors.Is(err, sarama.ErrInvalidRecord), errors.Is(err, sarama.ErrPolicyViolation):
-		return "invalid_record"
+		return reason.InvalidRecord
 	}
 	return "retriable"
 }

@@ -2,13 +2,14 @@ package metrics
 
 import (
 	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // OtherTarget is the target label of messages whose target topic is missing,
@@ -283,20 +284,11 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	return m
 }
 
-// ReasonCode returns the code of a reason string of the form "code: detail"
-// (deferred_message.reason): the part before the first ": ". A string
-// without one is returned as is.
-// Publish failures ("publish_failed: unknown_topic: ...") give their second
-// part, which says what failed.
-func ReasonCode(reason string) string {
-	code, rest, _ := strings.Cut(reason, ": ")
-	if code == "publish_failed" {
-		if sub, _, ok := strings.Cut(rest, ": "); ok {
-			return sub
-		}
-	}
-	return code
-}
+// ReasonCode returns the code of a stored reason ("code: detail",
+// deferred_message.reason), the label of the reason metrics: the same code
+// `scheduler ls --reason` and split_part(reason, ':', 1) give (package
+// reason).
+func ReasonCode(r string) string { return reason.Code(r) }
 
 // Target returns the label for target: itself while fewer than MaxTargets
 // distinct targets have been seen, OtherTarget after that.

@@ -72,7 +72,7 @@ func TestNewExportsEveryName(t *testing.T) {
 	m.SetLag(0, 5)
 	m.Published("orders.retry", 2)
 	m.PublishError("orders.retry", "retriable")
-	m.Parked("orders.retry", "publish_failed: unknown_topic: gone")
+	m.Parked("orders.retry", "unknown_topic: gone")
 	m.ObserveLateness(time.Second)
 	m.Round(time.Millisecond)
 	m.SetBacklog(Backlog{Messages: map[string]map[string]int64{"orders.retry": {"pending": 1}}, KeysHeldParked: 4, DLQUnsent: 2})
@@ -162,9 +162,9 @@ func TestNilMetricsIsANoOp(t *testing.T) {
 func TestReasonCode(t *testing.T) {
 	for _, c := range []struct{ reason, code string }{
 		{"missing_target: no defer.target header", "missing_target"},
-		{"publish_failed: unknown_topic: kafka server: ...", "unknown_topic"},
-		{"publish_failed", "publish_failed"},
-		{"publish_failed: odd", "publish_failed"},
+		{"unknown_topic: kafka server: ...", "unknown_topic"},
+		{"operator: bad address", "operator"},
+		{"operator", "operator"},
 		{"target_not_allowed", "target_not_allowed"},
 		{"", ""},
 		{"invalid_at: value \"a: b\"", "invalid_at"},

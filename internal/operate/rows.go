@@ -46,6 +46,15 @@ type OldestDueRow struct {
 	DueAt           *time.Time      `db:"due_at" json:"due_at"`
 	Lateness        pgtype.Interval `db:"lateness" json:"-"` // for psql; lateness_seconds is exact
 	LatenessSeconds float64         `db:"lateness_seconds" json:"lateness_seconds"`
+	// Why due messages wait: see oldest_due.sql.
+	DueMessages        int64 `db:"due_messages" json:"due_messages"`
+	WaitingPaused      int64 `db:"waiting_paused" json:"waiting_paused"`
+	WaitingParked      int64 `db:"waiting_parked" json:"waiting_parked"`
+	WaitingInFlight    int64 `db:"waiting_in_flight" json:"waiting_in_flight"`
+	WaitingBehind      int64 `db:"waiting_behind" json:"waiting_behind"`
+	WaitingRateLimited int64 `db:"waiting_rate_limited" json:"waiting_rate_limited"`
+	WaitingBackingOff  int64 `db:"waiting_backing_off" json:"waiting_backing_off"`
+	WaitingLeased      int64 `db:"waiting_leased" json:"waiting_leased"`
 }
 
 // HeldKeyRow is a row of held_keys.sql.
@@ -125,13 +134,20 @@ type HistoryRow struct {
 	LineageID    int64      `db:"lineage_id" json:"lineage_id"`
 	MessageID    int64      `db:"message_id" json:"message_id"`
 	RecordedAt   time.Time  `db:"recorded_at" json:"recorded_at"`
-	Event        string     `db:"event" json:"event"` // deferred, parked, rejected or replayed
+	Event        string     `db:"event" json:"event"` // deferred, gated, parked, rejected, replayed, expedited, published or cancelled
 	Attempt      int32      `db:"attempt" json:"attempt"`
 	Reason       *string    `db:"reason" json:"reason"`
 	ErrorClass   *string    `db:"error_class" json:"error_class"`
 	ErrorMessage *string    `db:"error_message" json:"error_message"`
 	TargetTopic  *string    `db:"target_topic" json:"target_topic"`
 	NextRunAt    *time.Time `db:"next_run_at" json:"next_run_at"`
+	// Partition and RecordOffset: where a published message went.
+	Partition    *int32 `db:"partition" json:"partition"`
+	RecordOffset *int64 `db:"record_offset" json:"record_offset"`
+	// Actor is who made the change: scheduler.actor (operate.SetActor, e.g.
+	// cli:alice), else the database user; null for the service's own
+	// events (ingest, publish, dispatch's parks).
+	Actor *string `db:"actor" json:"actor"`
 }
 
 // InflightRow is a row of inflight.sql and release_inflight.sql.
@@ -178,4 +194,10 @@ type TargetRow struct {
 	RateLimit   *float64  `db:"rate_limit" json:"rate_limit"` // messages per second; null: none
 	Note        *string   `db:"note" json:"note"`
 	UpdatedAt   time.Time `db:"updated_at" json:"updated_at"`
+	// ChangedBy and ChangedAt say who last changed the pause, limit or note
+	// and when (target_control_history; for a changing file, this change):
+	// scheduler.actor (operate.SetActor), else the database user. Null for a
+	// row last changed before the history was kept.
+	ChangedBy *string    `db:"changed_by" json:"changed_by"`
+	ChangedAt *time.Time `db:"changed_at" json:"changed_at"`
 }

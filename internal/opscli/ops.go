@@ -240,6 +240,21 @@ func parseIDs(args []string) ([]int64, error) {
 	return ids, nil
 }
 
+// idArgs joins the ids given as arguments and those of --id (flagIDs),
+// without duplicates, in order: every command that takes ids takes both.
+func idArgs(pos []string, flagIDs []int64) ([]int64, error) {
+	ids, err := parseIDs(pos)
+	if err != nil {
+		return nil, err
+	}
+	for _, id := range flagIDs {
+		if !slices.Contains(ids, id) {
+			ids = append(ids, id)
+		}
+	}
+	return ids, nil
+}
+
 // idList is the :'ids' variable of the id runbook files.
 func idList(ids []int64) string {
 	s := make([]string, len(ids))

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -26,8 +27,10 @@ const rejectedWindow = "1 hour"
 const statusHelp = `Usage: scheduler status [--json]
 
 One screen on the scheduler's database (DATABASE_URL): the backlog by target
-topic and state; how late dispatch is (the oldest key head that is due); how
-many business keys are held (by a parked message, backing off after failed
+topic and state; how late dispatch is (the oldest key head that is due), and
+why the other due messages wait (behind an earlier message of their key, in a
+key held by a parked message or in flight, for a paused or rate-limited
+target, backing off, being published); how many business keys are held (by a parked message, backing off after failed
 publishes, or leased by a dispatcher; "scheduler held" lists them); and what
 ingest rejected in the last hour, by reason.
 
@@ -69,12 +72,48 @@ type statusReport struct {
 	DueHeads         int64                 `json:"due_heads"`
 	LatenessSeconds  float64               `json:"lateness_seconds"`
 	OldestDue        *operate.OldestDueRow `json:"oldest_due"` // null when no head is due
+	DueMessages      int64                 `json:"due_messages"`
+	Waiting          dueWaits              `json:"waiting"` // why due messages wait
 	HeldKeys         int                   `json:"held_keys"`
 	ParkedKeys       int                   `json:"parked_keys"` // held by a parked message
 	BackingOffKeys   int                   `json:"backing_off_keys"`
 	InFlightKeys     int                   `json:"in_flight_keys"` // waiting for their consumer group's commit
 	RejectedLastHour int64                 `json:"rejected_last_hour"`
 	RejectedReasons  []operate.RejectedRow `json:"rejected_reasons"`
+}
+
+// dueWaits counts due pending messages that wait, by why (oldest_due.sql).
+type dueWaits struct {
+	Paused      int64 `json:"target_paused"`
+	Parked      int64 `json:"key_held_by_parked"`
+	InFlight    int64 `json:"key_in_flight"`
+	Behind      int64 `json:"behind_earlier_message_of_key"`
+	RateLimited int64 `json:"rate_limited"`
+	BackingOff  int64 `json:"backing_off"`
+	Leased      int64 `json:"being_published"`
+}
+
+// String lists the non-zero counts, e.g. "1 behind an earlier message of
+// its key, 2 in a paused target".
+func (w dueWaits) String() string {
+	var parts []string
+	for _, p := range []struct {
+		n    int64
+		what string
+	}{
+		{w.Behind, "behind an earlier message of its key"},
+		{w.Parked, "in a key held by a parked message"},
+		{w.InFlight, "in a key in flight (its consumer group has not committed)"},
+		{w.Paused, "for a paused target"},
+		{w.RateLimited, "waiting for its target's rate limit"},
+		{w.BackingOff, "in a key backing off after failed publishes"},
+		{w.Leased, "being published"},
+	} {
+		if p.n > 0 {
+			parts = append(parts, fmt.Sprintf("%d %s", p.n, p.what))
+		}
+	}
+	return strings.Join(parts, ", ")
 }
 
 func readStatus(ctx context.Context, q operate.Queryer) (statusReport, error) {
@@ -94,6 +133,10 @@ func readStatus(ctx context.Context, q operate.Queryer) (statusReport, error) {
 	if due[0].ID != nil {
 		s.OldestDue = &due[0]
 	}
+	d := due[0]
+	s.DueMessages = d.DueMessages
+	s.Waiting = dueWaits{Paused: d.WaitingPaused, Parked: d.WaitingParked, InFlight: d.WaitingInFlight, Behind: d.WaitingBehind,
+		RateLimited: d.WaitingRateLimited, BackingOff: d.WaitingBackingOff, Leased: d.WaitingLeased}
 	held, err := operate.Rows[operate.HeldKeyRow](ctx, q, "held_keys.sql", nil)
 	if err != nil {
 		return s, err
@@ -130,13 +173,22 @@ func (s statusReport) print(w io.Writer) {
 		}
 		t.flush()
 	}
+	waits := s.Waiting.String()
 	if o := s.OldestDue; o == nil {
-		fmt.Fprintln(w, "Lateness: none, no key head is due")
+		if waits == "" {
+			fmt.Fprintln(w, "Lateness: none, no key head is due")
+		} else {
+			fmt.Fprintf(w, "Lateness: none, no key head is due; %d due message%s wait%s: %s\n", s.DueMessages,
+				plural(s.DueMessages, "", "s"), plural(s.DueMessages, "s", ""), waits)
+		}
 	} else {
 		fmt.Fprintf(w, "Lateness: %s: message %d (key %s, target %s) was due at %s; %d key head%s due\n",
 			humanDuration(time.Duration(s.LatenessSeconds*float64(time.Second))), *o.ID,
 			printable(orDash(o.BusinessKey), false), printable(orDash(o.TargetTopic), false),
 			formatTimePtr(o.DueAt), s.DueHeads, plural(s.DueHeads, "", "s"))
+		if waits != "" {
+			fmt.Fprintf(w, "Due messages that wait: %s\n", waits)
+		}
 	}
 	fmt.Fprintf(w, "Held keys: %d, %d by a parked message, %d backing off after failed publishes, %d in flight (scheduler held lists them)\n",
 		s.HeldKeys, s.ParkedKeys, s.BackingOffKeys, s.InFlightKeys)
@@ -158,12 +210,20 @@ func (s statusReport) print(w io.Writer) {
 const lsHelp = `Usage: scheduler ls [flags]
 
 Lists messages in due order (next_run_at, then id): id, business key, seq,
-target topic, state, due time, attempt and reason. Filters combine; with none,
-the first messages of the whole table. --json prints an array of objects.
-It runs the runbook file list.sql.
+target topic, state, due time (- for a rejected message: it never comes due),
+attempt and reason. Filters combine; with none, the first messages of the
+whole table. --json prints an array of objects. It runs the runbook file
+list.sql.
+
+The filters mean the same in every command:
+  --target GLOB   target topic: * any run of characters, ? one, \ escapes;
+                  a plain name is exact
+  --reason CODE   reason code, exact: the part of the reason before the first
+                  colon (listed below, and in the README's table)
+  --key KEY       business key, exact
 
 Examples:
-  scheduler ls --state parked --target payments.retry
+  scheduler ls --state parked --target 'payments.*'
   scheduler ls --key order-42
   scheduler ls --state rejected --reason missing_target --json
 `
@@ -171,12 +231,12 @@ Examples:
 // cmdLs implements `scheduler ls`.
 func cmdLs(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	o, fs := newOps("ls", args, stdout, stderr)
-	target := fs.String("target", "", "only messages for this target topic")
+	target := fs.String("target", "", "only messages whose target topic matches this glob (* any run, ? one character)")
 	state := fs.String("state", "", "only messages in this state: "+strings.Join(messageStates(), ", "))
-	key := fs.String("key", "", "only messages of this business key (exact match)")
-	reason := fs.String("reason", "", "only messages whose reason contains this text (case-insensitive)")
+	key := fs.String("key", "", "only messages of this business key (exact)")
+	reason := fs.String("reason", "", "only messages with this reason code, exact (the part of the reason before the colon)")
 	limit := fs.Int("limit", 50, "print at most this many messages, 1..100000")
-	pos, done, code := o.parse(fs, args, lsHelp)
+	pos, done, code := o.parse(fs, args, lsHelp+reasonCodesHelp())
 	if done {
 		return code
 	}
@@ -189,7 +249,14 @@ func cmdLs(ctx context.Context, args, environ []string, stdout, stderr io.Writer
 	if *limit < 1 || *limit > 100000 {
 		return o.exit(usagef("--limit %d is out of range: want 1..100000", *limit))
 	}
-	vars := map[string]string{"target": *target, "state": *state, "key": *key, "reason": *reason, "limit": strconv.Itoa(*limit)}
+	targetLike, err := targetFilter(*target)
+	if err != nil {
+		return o.exit(err)
+	}
+	if err := checkReasonCode(*reason); err != nil {
+		return o.exit(err)
+	}
+	vars := map[string]string{"target": targetLike, "state": *state, "key": *key, "reason": *reason, "limit": strconv.Itoa(*limit)}
 	rows, code, done := showRunbook(ctx, o, environ, "list.sql", vars, "no messages match", printMessages)
 	if done {
 		return code
@@ -201,6 +268,7 @@ func cmdLs(ctx context.Context, args, environ []string, stdout, stderr io.Writer
 }
 
 const showHelp = `Usage: scheduler show [--full] [--json] ID
+       scheduler show --id ID
 
 Shows one message: its row (where and when it goes, its state and why,
 whether it heads its business key and how many messages of the key are ahead
@@ -208,9 +276,12 @@ of it or wait behind it, where it was read, when it was parked, its
 dead-letter copy, how often it was replayed), its record key, its headers in
 order, its value, its lineage (the message it re-defers, and those that
 re-defer it), and the lineage's history: every time one of its messages was
-deferred, parked, rejected or replayed, with the attempt and the error.
-A message that is gone (delivered, or cancelled) shows its history alone,
-until HISTORY_RETENTION prunes it.
+deferred, parked, rejected, replayed, expedited, published or cancelled, with
+the attempt, the error and who acted (cli:USER or console:USER for the
+scheduler's commands, the database user for psql, - for the service itself).
+A message that is gone says how its story ended (published to which
+partition and offset, or cancelled by whom) above its history, until
+HISTORY_RETENTION prunes it.
 Keys, header values and the value are printed as text when they are valid
 UTF-8, else as \x and hex; only their first 256 bytes unless --full.
 It runs the runbook file show_message.sql.
@@ -220,19 +291,18 @@ It runs the runbook file show_message.sql.
 func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	o, fs := newOps("show", args, stdout, stderr)
 	full := fs.Bool("full", false, "print keys and values whole, not their first 256 bytes")
+	var flagIDs []int64
+	fs.Var(idsValue{&flagIDs}, "id", "the message id (or give it as an argument)")
 	pos, done, code := o.parse(fs, args, showHelp)
 	if done {
 		return code
 	}
-	if len(pos) != 1 {
-		return o.exit(usagef("want one message id, got %d arguments", len(pos)))
-	}
-	ids, err := parseIDs(pos)
+	ids, err := idArgs(pos, flagIDs)
 	if err != nil {
 		return o.exit(err)
 	}
 	if len(ids) != 1 {
-		return o.exit(usagef("want one message id, got %q", pos[0]))
+		return o.exit(usagef("want one message id, got %d", len(ids)))
 	}
 	var st story
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) error {
@@ -246,6 +316,9 @@ func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 	}
 	if !*full {
 		st.preview(previewBytes)
+	}
+	if st.Message == nil {
+		st.End = storyEnd(st.History, ids[0])
 	}
 	if o.json {
 		return o.exit(o.printJSON(st))
@@ -265,6 +338,9 @@ type story struct {
 	Headers []operate.HeaderRow  `json:"headers"`
 	Lineage []operate.LineageRow `json:"lineage"`
 	History []operate.HistoryRow `json:"history"`
+	// End says how the story of a message no longer in the table ended
+	// (published where, cancelled by whom); empty while it is there.
+	End string `json:"end,omitempty"`
 }
 
 func readStory(ctx context.Context, q operate.Queryer, id int64) (story, error) {
@@ -414,10 +490,55 @@ func (st story) print(w io.Writer, now time.Time) {
 }
 
 // printGone prints the story of a message that is no longer in the table:
-// its history.
+// how it ended, then its history.
 func (st story) printGone(w io.Writer, id int64) {
-	fmt.Fprintf(w, "Message %d: gone (delivered, or cancelled); its history remains\n", id)
+	fmt.Fprintf(w, "Message %d: %s\n", id, storyEnd(st.History, id))
 	printHistory(w, st.History)
+}
+
+// storyEnd says how the story of message id, no longer in the table, ended:
+// from its last history event.
+func storyEnd(h []operate.HistoryRow, id int64) string {
+	var last *operate.HistoryRow
+	for i := range h {
+		if h[i].MessageID == id {
+			last = &h[i]
+		}
+	}
+	switch {
+	case last == nil:
+		return "gone; its own history is pruned, its lineage's remains"
+	case last.Event == "published":
+		where := "to " + printable(orDash(last.TargetTopic), false)
+		if last.Partition != nil && last.RecordOffset != nil {
+			where += fmt.Sprintf(" partition %d offset %d", *last.Partition, *last.RecordOffset)
+		}
+		return fmt.Sprintf("delivered: published %s at %s (attempt %d)", where, formatTime(last.RecordedAt), last.Attempt)
+	case last.Event == "cancelled":
+		return fmt.Sprintf("cancelled by %s at %s, while %s", printable(orDash(last.Actor), false), formatTime(last.RecordedAt),
+			cancelledWhile(h, id))
+	default:
+		return fmt.Sprintf("gone without a recorded end (its last event: %s at %s; recorded before deliveries and cancels were kept)",
+			last.Event, formatTime(last.RecordedAt))
+	}
+}
+
+// cancelledWhile names the state a cancelled message was in: that of the
+// event before its cancel.
+func cancelledWhile(h []operate.HistoryRow, id int64) string {
+	state := "pending"
+	for _, r := range h {
+		if r.MessageID != id {
+			continue
+		}
+		switch r.Event {
+		case "parked", "rejected":
+			state = r.Event
+		case "deferred", "gated", "replayed", "expedited":
+			state = "pending"
+		}
+	}
+	return state
 }
 
 func printHistory(w io.Writer, h []operate.HistoryRow) {
@@ -426,7 +547,7 @@ func printHistory(w io.Writer, h []operate.HistoryRow) {
 		return
 	}
 	fmt.Fprintf(w, "History of lineage %d:\n", h[0].LineageID)
-	t := newTable(w, "  RECORDED AT", "MESSAGE", "EVENT", "ATTEMPT", "TARGET", "DUE", "REASON", "ERROR")
+	t := newTable(w, "  RECORDED AT", "MESSAGE", "EVENT", "ATTEMPT", "TARGET", "DUE", "REASON", "ERROR", "BY")
 	for _, r := range h {
 		errText := "-"
 		if r.ErrorClass != nil || r.ErrorMessage != nil {
@@ -435,9 +556,17 @@ func printHistory(w io.Writer, h []operate.HistoryRow) {
 				errText += ": " + *r.ErrorMessage
 			}
 		}
+		why := orDash(r.Reason)
+		if r.Event == "published" && r.Partition != nil && r.RecordOffset != nil {
+			why = fmt.Sprintf("partition %d offset %d", *r.Partition, *r.RecordOffset)
+		}
+		by := "-" // the service itself
+		if r.Actor != nil {
+			by = *r.Actor
+		}
 		t.row("  "+formatTime(r.RecordedAt), strconv.FormatInt(r.MessageID, 10), r.Event, strconv.Itoa(int(r.Attempt)),
-			printable(orDash(r.TargetTopic), false), formatTimePtr(r.NextRunAt), printable(orDash(r.Reason), false),
-			printable(errText, false))
+			printable(orDash(r.TargetTopic), false), formatTimePtr(r.NextRunAt), printable(why, false),
+			printable(errText, false), printable(by, false))
 	}
 	t.flush()
 }
@@ -449,16 +578,23 @@ func truncatedNote(truncated bool) string {
 	return ""
 }
 
-const expediteHelp = `Usage: scheduler expedite (--id ID[,ID...] | --key KEY | --target TOPIC) [--json]
+const expediteHelp = `Usage: scheduler expedite ID... | --id ID[,ID...] | --key KEY | --target GLOB [--json]
 
 Makes pending messages due now and prints them. Per-key order still holds: a
 message goes out once it heads its business key, and a key that backs off
 after failed publishes keeps its back-off. Give exactly one of:
 
-  --id      the given messages (runbook expedite_id.sql). If any of them does
-            not exist or is not pending, nothing changes.
-  --key     the waiting messages of one business key (expedite_key.sql)
-  --target  the waiting messages for one target topic (expedite_target.sql)
+  ID..., --id  the given messages, as arguments or --id, each one id or ids
+               separated by commas (runbook expedite_id.sql). If any of them
+               does not exist or is not pending, nothing changes.
+  --key        the waiting messages of one business key, exact
+               (expedite_key.sql)
+  --target     the waiting messages for the target topics matching this glob
+               (* any run of characters, ? one; a plain name is exact): for
+               each such topic with pending messages, expedite_target.sql
+
+The history records each message made due earlier as 'expedited', with who
+(cli: and your user name).
 
 A key or target without pending messages is an error; one whose pending
 messages are all due already has nothing to expedite, which is not. A key
@@ -469,32 +605,31 @@ parked message to let the rest go.
 // cmdExpedite implements `scheduler expedite`.
 func cmdExpedite(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	o, fs := newOps("expedite", args, stdout, stderr)
-	idFlag := fs.String("id", "", "expedite these pending messages: an id, or ids separated by commas")
-	key := fs.String("key", "", "expedite the waiting messages of this business key")
-	target := fs.String("target", "", "expedite the waiting messages for this target topic")
+	var flagIDs []int64
+	fs.Var(idsValue{&flagIDs}, "id", "expedite these pending messages: an id, or ids separated by commas; repeatable (or give them as arguments)")
+	key := fs.String("key", "", "expedite the waiting messages of this business key (exact)")
+	target := fs.String("target", "", "expedite the waiting messages for the target topics matching this glob (* any run, ? one character)")
 	pos, done, code := o.parse(fs, args, expediteHelp)
 	if done {
 		return code
 	}
-	if len(pos) > 0 {
-		return o.exit(usagef("unexpected argument %q", pos[0]))
-	}
 	var given []string
 	fs.Visit(func(f *flag.Flag) {
-		if f.Name != "json" {
+		if f.Name != "json" && f.Name != "id" {
 			given = append(given, "--"+f.Name)
 		}
 	})
-	if len(given) != 1 {
-		return o.exit(usagef("give exactly one of --id, --key and --target (got %d)", len(given)))
+	ids, err := idArgs(pos, flagIDs)
+	if err != nil {
+		return o.exit(err)
 	}
-	var ids []int64
-	var err error
+	if len(ids) > 0 {
+		given = append(given, "--id")
+	}
+	if len(given) != 1 {
+		return o.exit(usagef("give exactly one of ids (arguments or --id), --key and --target (got %d)", len(given)))
+	}
 	switch given[0] {
-	case "--id":
-		if ids, err = parseIDs([]string{*idFlag}); err != nil {
-			return o.exit(err)
-		}
 	case "--key":
 		if *key == "" {
 			return o.exit(usagef("--key is empty"))
@@ -503,17 +638,23 @@ func cmdExpedite(ctx context.Context, args, environ []string, stdout, stderr io.
 		if *target == "" {
 			return o.exit(usagef("--target is empty"))
 		}
+		if _, err := targetFilter(*target); err != nil {
+			return o.exit(err)
+		}
 	}
 	var changed []operate.Message
 	var note string
-	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
 		switch given[0] {
 		case "--id":
-			changed, err = changeIDs(ctx, conn, "expedite_id.sql", ids, nil, "only pending messages can be expedited (replay a parked one)")
+			changed, err = changeIDs(ctx, tx, "expedite_id.sql", ids, nil, "only pending messages can be expedited (replay a parked one)")
 		case "--key":
-			changed, note, err = expediteAll(ctx, conn, "expedite_key.sql", "key", *key, "business key")
+			changed, note, err = expediteAll(ctx, tx, "expedite_key.sql", "key", []string{*key}, *key, "business key")
 		case "--target":
-			changed, note, err = expediteAll(ctx, conn, "expedite_target.sql", "target", *target, "target topic")
+			var targets []string
+			if targets, err = pendingTargets(ctx, tx, *target); err == nil {
+				changed, note, err = expediteAll(ctx, tx, "expedite_target.sql", "target", targets, *target, "target topic")
+			}
 		}
 		return err
 	})
@@ -523,41 +664,81 @@ func cmdExpedite(ctx context.Context, args, environ []string, stdout, stderr io.
 	return o.exit(o.printChanged("expedited", changed, note))
 }
 
-// expediteAll runs expedite_key.sql or expedite_target.sql. When it changes
-// nothing, it tells a key or target with no pending message (likely a typo:
-// an error) from one whose pending messages are all due already (a note).
-func expediteAll(ctx context.Context, conn *pgx.Conn, file, variable, value, what string) ([]operate.Message, string, error) {
-	changed, err := operate.Rows[operate.Message](ctx, conn, file, map[string]string{variable: value})
-	if err != nil || len(changed) > 0 {
-		return sortByID(changed), "", err
+// expediteAll runs expedite_key.sql or expedite_target.sql once for each of
+// values (the key, or the target topics a --target glob matched). When it
+// changes nothing, it tells a key or target with no pending message (likely
+// a typo: an error) from one whose pending messages are all due already (a
+// note). given is what the operator typed, for messages.
+func expediteAll(ctx context.Context, q operate.Queryer, file, variable string, values []string, given, what string) ([]operate.Message, string, error) {
+	var changed []operate.Message
+	for _, v := range values {
+		rows, err := operate.Rows[operate.Message](ctx, q, file, map[string]string{variable: v})
+		if err != nil {
+			return nil, "", err
+		}
+		changed = append(changed, rows...)
+	}
+	if len(changed) > 0 {
+		return sortByID(changed), "", nil
+	}
+	if len(values) == 0 {
+		return nil, "", fmt.Errorf("no pending message with %s %q", what, given)
 	}
 	filter := map[string]string{"target": "", "state": "pending", "key": "", "reason": "", "limit": "1"}
-	filter[variable] = value
-	pending, err := operate.Rows[operate.Message](ctx, conn, "list.sql", filter)
+	if variable == "target" {
+		filter["target"] = "" // values come from the pending targets: they have some
+	} else {
+		filter[variable] = values[0]
+	}
+	pending, err := operate.Rows[operate.Message](ctx, q, "list.sql", filter)
 	if err != nil {
 		return nil, "", err
 	}
-	if len(pending) == 0 {
-		return nil, "", fmt.Errorf("no pending message with %s %q", what, value)
+	if len(pending) == 0 || (variable == "key" && deref(pending[0].BusinessKey) != values[0]) {
+		return nil, "", fmt.Errorf("no pending message with %s %q", what, given)
 	}
-	return changed, fmt.Sprintf("nothing to expedite: the pending messages with %s %q are all due already", what, value), nil
+	return changed, fmt.Sprintf("nothing to expedite: the pending messages with %s %q are all due already", what, given), nil
+}
+
+// pendingTargets returns the target topics with pending messages that
+// match the glob, from backlog.sql.
+func pendingTargets(ctx context.Context, q operate.Queryer, glob string) ([]string, error) {
+	backlog, err := operate.Rows[operate.BacklogRow](ctx, q, "backlog.sql", nil)
+	if err != nil {
+		return nil, err
+	}
+	var targets []string
+	for _, b := range backlog {
+		if b.State != "pending" || b.TargetTopic == nil {
+			continue
+		}
+		if ok, _ := path.Match(glob, *b.TargetTopic); ok {
+			targets = append(targets, *b.TargetTopic)
+		}
+	}
+	return targets, nil
 }
 
 const cancelHelp = `Usage: scheduler cancel [--json] ID...
+       scheduler cancel --id ID[,ID...]
 
 Deletes the given messages for good, whatever their state, and prints them.
-Ids are arguments, or separated by commas. If any of them does not exist,
-nothing is deleted. There is no undo. It runs the runbook file cancel_id.sql.
+Ids are arguments or --id, each one id or ids separated by commas. If any of
+them does not exist, nothing is deleted. There is no undo: the history keeps
+a 'cancelled' event with who (cli: and your user name). It runs the runbook
+file cancel_id.sql.
 `
 
 // cmdCancel implements `scheduler cancel`.
 func cmdCancel(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	o, fs := newOps("cancel", args, stdout, stderr)
+	var flagIDs []int64
+	fs.Var(idsValue{&flagIDs}, "id", "cancel these messages: an id, or ids separated by commas; repeatable (or give them as arguments)")
 	pos, done, code := o.parse(fs, args, cancelHelp)
 	if done {
 		return code
 	}
-	ids, err := parseIDs(pos)
+	ids, err := idArgs(pos, flagIDs)
 	if err != nil {
 		return o.exit(err)
 	}
@@ -565,8 +746,8 @@ func cmdCancel(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 		return o.exit(usagef("want at least one message id"))
 	}
 	var changed []operate.Message
-	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		changed, err = changeIDs(ctx, conn, "cancel_id.sql", ids, nil, "")
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
+		changed, err = changeIDs(ctx, tx, "cancel_id.sql", ids, nil, "")
 		return err
 	})
 	if err != nil {
@@ -575,41 +756,51 @@ func cmdCancel(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 	return o.exit(o.printChanged("cancelled", changed, ""))
 }
 
-const parkHelp = `Usage: scheduler park --reason TEXT [--release-key] [--json] ID...
+const parkHelp = `Usage: scheduler park --why TEXT [--release-key] [--json] ID...
+       scheduler park --why TEXT --id ID[,ID...]
 
 Parks the given pending messages: state 'parked' with the reason
-"parked by operator: TEXT", and prints them. A parked message is never sent.
-Whether it holds its business key follows its target's retry policy (the
-default holds): the later messages of the key wait behind it until it is
+"operator: TEXT" (reason code operator), and prints them. A parked message
+is never sent. Whether it holds its business key follows its target's retry
+policy (the default holds): the later messages of the key wait behind it until it is
 replayed or cancelled. --release-key lets the rest of the key go on without
-it. Ids are arguments, or separated by commas. If any of them does not exist
-or is not pending, nothing changes. It runs the runbook file park_id.sql;
-"scheduler replay --id ID" sends a parked message again.
+it. Ids are arguments or --id, each one id or ids separated by commas. If any
+of them does not exist or is not pending, nothing changes. (--reason is a
+reason code in every command that filters; here it is refused, pointing to
+--why.) The history records the park with who (cli: and your user name). It
+runs the runbook file park_id.sql; "scheduler replay ID" sends a parked
+message again.
 `
 
 // cmdPark implements `scheduler park`.
 func cmdPark(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	o, fs := newOps("park", args, stdout, stderr)
-	reason := fs.String("reason", "", `why, recorded as the reason "parked by operator: TEXT" (required)`)
+	why := fs.String("why", "", `why, recorded as the reason "operator: TEXT" (required)`)
+	oldWhy := fs.String("reason", "", "not here: --reason is a reason code in ls and replay; park takes --why TEXT")
 	release := fs.Bool("release-key", false, "let the later messages of the key go on without the parked one")
+	var flagIDs []int64
+	fs.Var(idsValue{&flagIDs}, "id", "park these messages: an id, or ids separated by commas; repeatable (or give them as arguments)")
 	pos, done, code := o.parse(fs, args, parkHelp)
 	if done {
 		return code
 	}
-	ids, err := parseIDs(pos)
+	ids, err := idArgs(pos, flagIDs)
 	if err != nil {
 		return o.exit(err)
 	}
 	if len(ids) == 0 {
 		return o.exit(usagef("want at least one message id"))
 	}
-	if strings.TrimSpace(*reason) == "" {
-		return o.exit(usagef("--reason is required: say why, for whoever replays it"))
+	if *oldWhy != "" {
+		return o.exit(usagef("--reason is a reason code (ls, replay); say why with --why %s", quoteIfNeeded(*oldWhy)))
+	}
+	if strings.TrimSpace(*why) == "" {
+		return o.exit(usagef("--why is required: say why, for whoever replays it"))
 	}
 	var changed []operate.Message
-	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		vars := map[string]string{"why": *reason, "release": strconv.FormatBool(*release)}
-		changed, err = changeIDs(ctx, conn, "park_id.sql", ids, vars, "only pending messages can be parked")
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
+		vars := map[string]string{"why": *why, "release": strconv.FormatBool(*release)}
+		changed, err = changeIDs(ctx, tx, "park_id.sql", ids, vars, "only pending messages can be parked")
 		return err
 	})
 	if err != nil {
@@ -643,34 +834,31 @@ func (o *ops) printChanged(verb string, changed []operate.Message, note string) 
 	return err
 }
 
-// changeIDs runs the runbook file name with vars and :'ids' set to ids, in a
-// transaction that commits only if every id was changed. Otherwise it rolls
-// back and says, for each id left out, whether it does not exist or which
-// state it is in, followed by onlyPending when some exist.
-func changeIDs(ctx context.Context, conn *pgx.Conn, name string, ids []int64, vars map[string]string, onlyPending string) ([]operate.Message, error) {
+// changeIDs runs the runbook file name with vars and :'ids' set to ids, in
+// the caller's transaction (o.change), and fails, so that the transaction
+// rolls back, unless every id was changed: it says, for each id left out,
+// whether it does not exist or which state it is in, followed by
+// onlyPending when some exist.
+func changeIDs(ctx context.Context, tx pgx.Tx, name string, ids []int64, vars map[string]string, onlyPending string) ([]operate.Message, error) {
 	vars = maps.Clone(vars)
 	if vars == nil {
 		vars = map[string]string{}
 	}
 	vars["ids"] = idList(ids)
-	var changed []operate.Message
-	err := inTx(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
-		var err error
-		if changed, err = operate.Rows[operate.Message](ctx, tx, name, vars); err != nil {
-			return err
+	changed, err := operate.Rows[operate.Message](ctx, tx, name, vars)
+	if err != nil {
+		return nil, err
+	}
+	var missing []int64
+	for _, id := range ids {
+		if !slices.ContainsFunc(changed, func(m operate.Message) bool { return m.ID == id }) {
+			missing = append(missing, id)
 		}
-		var missing []int64
-		for _, id := range ids {
-			if !slices.ContainsFunc(changed, func(m operate.Message) bool { return m.ID == id }) {
-				missing = append(missing, id)
-			}
-		}
-		if len(missing) == 0 {
-			return nil
-		}
-		return explainMissing(ctx, tx, missing, onlyPending)
-	})
-	return sortByID(changed), err
+	}
+	if len(missing) > 0 {
+		return nil, explainMissing(ctx, tx, missing, onlyPending)
+	}
+	return sortByID(changed), nil
 }
 
 // sortByID orders what a statement's RETURNING gave, which comes in no

@@ -37,9 +37,18 @@ func messageColumns() []string {
 func messageCells(m operate.Message) []string {
 	return []string{
 		strconv.FormatInt(m.ID, 10), printable(orDash(m.BusinessKey), false), strconv.FormatInt(m.Seq, 10),
-		printable(orDash(m.TargetTopic), false), m.State, formatTime(m.NextRunAt), strconv.Itoa(int(m.Attempt)),
+		printable(orDash(m.TargetTopic), false), m.State, dueCell(m), strconv.Itoa(int(m.Attempt)),
 		printable(orDash(m.Reason), false),
 	}
+}
+
+// dueCell is a message's due time, or - for a rejected one, which never
+// comes due (its next_run_at is only what the record asked for).
+func dueCell(m operate.Message) string {
+	if m.State == "rejected" {
+		return "-"
+	}
+	return formatTime(m.NextRunAt)
 }
 
 func printMessages(w io.Writer, ms []operate.Message) {

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/deferq/scheduler/internal/operate"
+	"github.com/deferq/scheduler/internal/reason"
 	"github.com/jackc/pgx/v5"
 )
 
@@ -26,7 +27,7 @@ import (
 // enough to recognise them, little enough for one screen.
 const replayShown = 20
 
-const replayHelp = `Usage: scheduler replay FILTER... [--dry-run] [--rate N] [--reset-attempts]
+const replayHelp = `Usage: scheduler replay [ID...] FILTER... [--dry-run] [--rate N] [--reset-attempts]
                         [--yes] [--confirm-above N] [--json]
 
 Sends parked messages (or, with --state rejected, rejected ones) again: back
@@ -36,19 +37,22 @@ parked message that held its key goes first and the rest of the key follows.
 
 Filters combine (all must match), and at least one is required, so that
 "replay everything" is never an accident (--target '*' says it on purpose):
-  --target GLOB       target topic, * any run of characters, ? one, \ escapes
+  --target GLOB       target topic, * any run of characters, ? one, \ escapes;
+                      a plain name is exact
   --key KEY           business key, exact
   --error-class GLOB  the error class the producer gave
-  --reason CODE       reason code, the part of the reason before the first
-                      colon: exhausted, permanent, non_retriable,
-                      unknown_topic, target_not_allowed, ...
+  --reason CODE       reason code, exact: the part of the reason before the
+                      first colon (the list is below)
   --since, --until    parked (rejected: last changed) at or after / before:
                       an RFC 3339 time, or a duration meaning that long ago
                       (90m, 48h)
-  --id ID[,ID...]     message ids; repeatable
+  ID..., --id ID      message ids, as arguments or --id, each one id or ids
+                      separated by commas; --id is repeatable
 
 It first prints what matches: counts by target and reason, and the first 20
-messages. --dry-run stops there. Above --confirm-above messages (default
+messages, and warns when TARGET_TOPICS (read from this environment, as the
+service reads it) does not allow a matched message's target: dispatch would
+park it again at once. --dry-run stops there. Above --confirm-above messages (default
 100) it asks you to type their number, unless --yes. A rejected record that
 named no target topic cannot be replayed: it is listed and left alone.
 
@@ -67,8 +71,11 @@ A message that changed after the preview (replayed, cancelled) is left
 alone; the count says how many moved. It runs the runbook files
 replay_preview.sql and replay.sql.
 
+The history records each replay with who (cli: and your user name).
+
 Examples:
   scheduler replay --target payments.retry --reason unknown_topic --dry-run
+  scheduler replay 1234 1235
   scheduler replay --target 'payments.*' --since 2h --rate 50 --yes
   scheduler replay --key order-42 --reset-attempts
   scheduler replay --state rejected --reason target_not_allowed --id 1234,1235
@@ -97,6 +104,9 @@ type replayReport struct {
 	LeftAlone int                       `json:"left_alone"`
 	Rate      *float64                  `json:"rate"`
 	Messages  []operate.ReplayedMessage `json:"messages"`
+	// Warning says that TARGET_TOPICS does not allow some matched
+	// message's target, or that it could not be checked.
+	Warning string `json:"warning,omitempty"`
 }
 
 // replayFilter is what replay selects by. Empty fields do not filter.
@@ -182,6 +192,30 @@ func globToLike(glob string) (string, error) {
 	return b.String(), nil
 }
 
+// targetFilter translates a --target glob into the LIKE pattern of the
+// runbook's :'target' variable; "" stays "" (no filter).
+func targetFilter(glob string) (string, error) {
+	if glob == "" {
+		return "", nil
+	}
+	like, err := globToLike(glob)
+	if err != nil {
+		return "", usagef("--target %q: %v", glob, err)
+	}
+	return like, nil
+}
+
+// checkReasonCode checks a --reason value: a reason code, not a whole
+// reason. An unknown code is not an error (old rows may carry codes no
+// longer produced); it simply matches nothing.
+func checkReasonCode(code string) error {
+	if strings.ContainsAny(code, ": ") {
+		return usagef("--reason %q: want a reason code, the part of the reason before the colon, e.g. %s",
+			code, strings.TrimSpace(strings.SplitN(code, ":", 2)[0]))
+	}
+	return nil
+}
+
 // parseWhen parses --since or --until: an RFC 3339 time, or a duration
 // meaning that long before now.
 func parseWhen(flagName, s string, now time.Time) (time.Time, error) {
@@ -200,6 +234,8 @@ type replayOptions struct {
 	dryRun, resetAttempts, yes bool
 	rate                       *float64
 	confirmAbove               int
+	actor                      string      // who replays, for the history
+	targets                    targetCheck // TARGET_TOPICS, for the warning
 }
 
 // cmdReplay implements `scheduler replay`.
@@ -221,12 +257,13 @@ func cmdReplay(ctx context.Context, args, environ []string, stdin io.Reader, std
 	fs.BoolVar(&opt.resetAttempts, "reset-attempts", false, "set attempt to 0, so that the retry policy starts over")
 	fs.BoolVar(&opt.yes, "yes", false, "do not ask for confirmation")
 	fs.IntVar(&opt.confirmAbove, "confirm-above", 100, "ask to confirm when more than this many messages would move")
-	pos, done, code := o.parse(fs, args, replayHelp)
+	pos, done, code := o.parse(fs, args, replayHelp+reasonCodesHelp())
 	if done {
 		return code
 	}
-	if len(pos) > 0 {
-		return o.exit(usagef("unexpected argument %q: filters are flags, e.g. --id %s", pos[0], pos[0]))
+	ids, err := idArgs(pos, ids)
+	if err != nil {
+		return o.exit(err)
 	}
 	f, err := buildReplayFilter(fs, time.Now(), ids)
 	if err != nil {
@@ -244,6 +281,8 @@ func cmdReplay(ctx context.Context, args, environ []string, stdin io.Reader, std
 	if opt.confirmAbove < 0 {
 		return o.exit(usagef("--confirm-above %d: want 0 or more", opt.confirmAbove))
 	}
+	opt.actor = actorName(environ)
+	opt.targets = readTargetCheck(environ)
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) error {
 		return o.replay(ctx, conn, f, opt, stdin)
 	})
@@ -284,8 +323,8 @@ func buildReplayFilter(fs *flag.FlagSet, now time.Time, ids []int64) (replayFilt
 				return f, usagef("--error-class %q: %v", value, err)
 			}
 		case "reason":
-			if strings.Contains(value, ":") {
-				return f, usagef("--reason %q: want a reason code, the part before the colon (e.g. %s)", value, strings.TrimSpace(strings.SplitN(value, ":", 2)[0]))
+			if err := checkReasonCode(value); err != nil {
+				return f, err
 			}
 			f.reason = value
 		case "since", "until":
@@ -346,12 +385,17 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 		return err
 	}
 	var replayable []int64
+	var targets []string
 	for _, c := range cands {
 		if c.Replayable {
 			replayable = append(replayable, c.ID)
+			targets = append(targets, deref(c.TargetTopic))
 		} else {
 			rep.NotReplayable = append(rep.NotReplayable, c.ID)
 		}
+	}
+	if len(replayable) > 0 {
+		rep.Warning = opt.targets.warning(targets, "the replayed")
 	}
 	if !o.json {
 		printCandidates(o.stdout, what, rep)
@@ -386,7 +430,14 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 		vars["rate"] = formatRate(*opt.rate)
 	}
 	vars["reset_attempts"] = strconv.FormatBool(opt.resetAttempts)
-	moved, err := operate.Rows[operate.ReplayedMessage](ctx, conn, "replay.sql", vars)
+	var moved []operate.ReplayedMessage
+	err = inTx(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) (err error) {
+		if err = operate.SetActor(ctx, tx, opt.actor); err != nil {
+			return err
+		}
+		moved, err = operate.Rows[operate.ReplayedMessage](ctx, tx, "replay.sql", vars)
+		return err
+	})
 	if err != nil {
 		return err
 	}
@@ -398,6 +449,18 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 		return o.printJSON(rep)
 	}
 	return printReplayed(o.stdout, rep)
+}
+
+// reasonCodesHelp lists the reason codes (package reason) for --help.
+func reasonCodesHelp() string {
+	var b strings.Builder
+	b.WriteString("\nReason codes (--reason), and who sets them:\n")
+	t := newTable(&b)
+	for _, i := range reason.All() {
+		t.row("  "+i.Code, i.SetBy)
+	}
+	t.flush()
+	return b.String()
 }
 
 const notReplayableWhy = "a rejected record that named no target topic has nowhere to go (set its target_topic first)"
@@ -495,6 +558,9 @@ func printCandidates(w io.Writer, what string, rep replayReport) {
 			more = ", ..."
 		}
 		fmt.Fprintf(w, "%d cannot be replayed and stay as they are: %s (%s%s)\n", n, notReplayableWhy, idList(shown), more)
+	}
+	if rep.Warning != "" {
+		fmt.Fprintf(w, "Warning: %s\n", rep.Warning)
 	}
 }
 

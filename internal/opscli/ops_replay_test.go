@@ -133,6 +133,7 @@ func TestReplay(t *testing.T) {
 		{name: "error class glob", args: []string{"--error-class", "java.net.*"}, replayed: []int64{201}},
 		{name: "error class exact", args: []string{"--error-class", "ValidationError"}, replayed: []int64{206}},
 		{name: "reason code", args: []string{"--reason", "exhausted"}, replayed: []int64{201, 204, 205}},
+		{name: "ids as arguments and --id", args: []string{"201", "204", "--id", "205"}, replayed: []int64{201, 204, 205}},
 		{name: "since a duration ago", args: []string{"--since", "45m"}, replayed: []int64{203, 204, 205, 211, 212}},
 		{name: "until a duration ago", args: []string{"--until", "45m"}, replayed: []int64{201, 206}},
 		{
@@ -396,7 +397,7 @@ func TestReplayCommand(t *testing.T) {
 		{name: "rate not a number", args: []string{"--key", "a-1", "--rate", "fast"}, code: 2, stderr: []string{`--rate "fast" is not a number`}},
 		{name: "rate empty", args: []string{"--key", "a-1", "--rate", ""}, code: 2, stderr: []string{`--rate "" is not a number`}},
 		{name: "unknown flag", args: []string{"--key", "a-1", "--force"}, code: 2, stderr: []string{"flag provided but not defined: -force", "scheduler replay --help"}},
-		{name: "an argument", args: []string{"201"}, code: 2, stderr: []string{`unexpected argument "201": filters are flags, e.g. --id 201`}},
+		{name: "an argument that is no id", args: []string{"abc"}, code: 2, stderr: []string{`"abc" is not a message id`}},
 		{name: "bad id", args: []string{"--id", "20x"}, code: 2, stderr: []string{`invalid value "20x" for flag -id: "20x" is not a message id`}},
 		{name: "bad since", args: []string{"--since", "yesterday"}, code: 2, stderr: []string{`--since "yesterday" is neither an RFC 3339 time`}},
 		{name: "negative since", args: []string{"--since", "-5m"}, code: 2, stderr: []string{`--since "-5m" is neither`}},
@@ -404,7 +405,7 @@ func TestReplayCommand(t *testing.T) {
 		{name: "since after until", args: []string{"--since", "1h", "--until", "2h"}, code: 2, stderr: []string{"is not before --until", "nothing can match"}},
 		{name: "character class", args: []string{"--target", "pay[xy]"}, code: 2, stderr: []string{`--target "pay[xy]": character classes [...] are not supported`}},
 		{name: "bad glob", args: []string{"--error-class", `java\`}, code: 2, stderr: []string{`--error-class "java\\"`}},
-		{name: "a whole reason", args: []string{"--reason", "exhausted: after 5 retries"}, code: 2, stderr: []string{"want a reason code, the part before the colon (e.g. exhausted)"}},
+		{name: "a whole reason", args: []string{"--reason", "exhausted: after 5 retries"}, code: 2, stderr: []string{"want a reason code, the part of the reason before the colon, e.g. exhausted"}},
 		{name: "negative threshold", args: []string{"--key", "a-1", "--confirm-above", "-1"}, code: 2, stderr: []string{"--confirm-above -1: want 0 or more"}},
 	}
 	for _, tt := range tests {

@@ -6,6 +6,7 @@ package opscli
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -66,8 +67,12 @@ Stops republishing to the target topic TARGET: its messages stay pending, in
 per-key order, and keep arriving, while every other target flows. Dispatchers
 see it within a poll interval; a publish in progress finishes. A paused
 target's messages are not counted as late. The note says why, for whoever
-resumes it (pausing again replaces it). It runs the runbook file
-pause_target.sql; "scheduler resume TARGET" undoes it.
+resumes it (pausing again with a note replaces it; without one keeps it).
+TARGET is one topic name, exact. A target that TARGET_TOPICS (read from this
+environment, as the service reads it) does not allow gets a warning: its
+messages are parked by dispatch anyway. The change is recorded with who
+(cli: and your user name; "scheduler targets" shows it). It runs the runbook
+file pause_target.sql; "scheduler resume TARGET" undoes it.
 `
 
 // cmdPause implements `scheduler pause`.
@@ -82,9 +87,10 @@ func cmdPause(ctx context.Context, args, environ []string, stdout, stderr io.Wri
 	if err != nil {
 		return o.exit(err)
 	}
+	o.warn(readTargetCheck(environ).outside([]string{target}, "its"))
 	var rows []operate.TargetRow
-	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		rows, err = operate.Rows[operate.TargetRow](ctx, conn, "pause_target.sql", map[string]string{"target": target, "note": *note})
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
+		rows, err = operate.Rows[operate.TargetRow](ctx, tx, "pause_target.sql", map[string]string{"target": target, "note": *note})
 		return err
 	})
 	if err == nil && len(rows) != 1 {
@@ -117,8 +123,8 @@ func cmdResume(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 		return o.exit(err)
 	}
 	var c targetChange
-	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		c, err = changeTarget(ctx, conn, "resume_target.sql", target, nil, "not paused")
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
+		c, err = changeTarget(ctx, tx, "resume_target.sql", target, nil, "not paused")
 		return err
 	})
 	if err != nil {
@@ -128,14 +134,17 @@ func cmdResume(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 }
 
 const limitHelp = `Usage: scheduler limit TARGET RATE [--json]
+       scheduler limit TARGET --rate RATE [--json]
        scheduler limit TARGET off [--json]
 
 Caps republishing to the target topic TARGET at RATE messages per second (a
 number > 0; 0.5 is one message every two seconds), across every replica:
 dispatchers share one token bucket per target, with at most one second's
 worth of burst. Its messages wait, pending and in per-key order, for their
-turn; other targets are not affected. "off" lifts the limit. It runs the
-runbook file limit_target.sql, or unlimit_target.sql for off.
+turn; other targets are not affected. "off" (or --rate off) lifts the
+limit. RATE is an argument or --rate, as in replay. The change is recorded
+with who (cli: and your user name). It runs the runbook file
+limit_target.sql, or unlimit_target.sql for off.
 `
 
 // cmdLimit implements `scheduler limit`.
@@ -151,9 +160,18 @@ func cmdLimit(ctx context.Context, args, environ []string, stdout, stderr io.Wri
 			return o.exit(usagef("rate %s: want messages per second > 0", a))
 		}
 	}
+	rateFlag := fs.String("rate", "", "messages per second (> 0), or off; or give it as the second argument")
 	pos, done, code := o.parse(fs, args, limitHelp)
 	if done {
 		return code
+	}
+	rateGiven := false
+	fs.Visit(func(f *flag.Flag) { rateGiven = rateGiven || f.Name == "rate" })
+	if rateGiven {
+		if len(pos) > 1 {
+			return o.exit(usagef("give the rate once: as an argument (%s) or --rate (%s)", pos[1], *rateFlag))
+		}
+		pos = append(pos, *rateFlag)
 	}
 	target, err := parseTarget(pos, 2, " and a rate (messages per second, or off)")
 	if err != nil {
@@ -167,12 +185,12 @@ func cmdLimit(ctx context.Context, args, environ []string, stdout, stderr io.Wri
 		}
 	}
 	var c targetChange
-	err = o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
 		if off {
-			c, err = changeTarget(ctx, conn, "unlimit_target.sql", target, nil, "not rate limited")
+			c, err = changeTarget(ctx, tx, "unlimit_target.sql", target, nil, "not rate limited")
 			return err
 		}
-		c, err = changeTarget(ctx, conn, "limit_target.sql", target, map[string]string{"rate": formatRate(rate)}, "")
+		c, err = changeTarget(ctx, tx, "limit_target.sql", target, map[string]string{"rate": formatRate(rate)}, "")
 		return err
 	})
 	if err != nil {
@@ -188,7 +206,7 @@ func cmdLimit(ctx context.Context, args, environ []string, stdout, stderr io.Wri
 // changeTarget runs a target runbook file that prints the row it changed.
 // When it changes nothing, the target either has no controls at all (an
 // error: likely a typo) or was already as asked (a note: asIs says how).
-func changeTarget(ctx context.Context, conn *pgx.Conn, file, target string, vars map[string]string, asIs string) (targetChange, error) {
+func changeTarget(ctx context.Context, conn operate.Queryer, file, target string, vars map[string]string, asIs string) (targetChange, error) {
 	all := map[string]string{"target": target}
 	for k, v := range vars {
 		all[k] = v
@@ -231,7 +249,7 @@ func (o *ops) printTargetChange(verb string, c targetChange) error {
 }
 
 func printTargets(w io.Writer, rows []operate.TargetRow) {
-	t := newTable(w, "TARGET", "PAUSED", "RATE LIMIT", "UPDATED AT", "NOTE")
+	t := newTable(w, "TARGET", "PAUSED", "RATE LIMIT", "UPDATED AT", "CHANGED BY", "NOTE")
 	for _, r := range rows {
 		paused, limit := "no", "-"
 		if r.Paused {
@@ -240,7 +258,8 @@ func printTargets(w io.Writer, rows []operate.TargetRow) {
 		if r.RateLimit != nil {
 			limit = formatRate(*r.RateLimit) + "/s"
 		}
-		t.row(printable(r.TargetTopic, false), paused, limit, formatTime(r.UpdatedAt), printable(orDash(r.Note), false))
+		t.row(printable(r.TargetTopic, false), paused, limit, formatTime(r.UpdatedAt), printable(orDash(r.ChangedBy), false),
+			printable(orDash(r.Note), false))
 	}
 	t.flush()
 }
@@ -248,8 +267,10 @@ func printTargets(w io.Writer, rows []operate.TargetRow) {
 const targetsHelp = `Usage: scheduler targets [--json]
 
 Lists the per-target controls (table target_control): for each target topic
-an operator paused or limited, whether it is paused and why, its rate limit in
-messages per second, and when it last changed. Targets not listed flow freely.
+that is paused, limited or has a note, whether it is paused and why, its rate
+limit in messages per second, when it last changed and who changed it
+(cli:USER, console:USER, or the database user of a psql session; the whole
+record is in table target_control_history). Targets not listed flow freely.
 It runs the runbook file targets.sql.
 `
 

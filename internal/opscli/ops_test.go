@@ -34,6 +34,8 @@ func TestOpsCommands(t *testing.T) {
 		check string
 		// setup runs after the seed.
 		setup string
+		// addEnv is added to the environment of a fresh seeded database.
+		addEnv []string
 	}{
 		// status
 		{
@@ -81,7 +83,7 @@ func TestOpsCommands(t *testing.T) {
 			},
 		},
 		{
-			name: "ls by reason, case-insensitive", args: []string{"ls", "--state", "rejected", "--reason", "MISSING", "--json"},
+			name: "ls by reason code", args: []string{"ls", "--reason", "missing_target", "--json"},
 			json: func(t *testing.T, out string) {
 				opsjson.SameIDs(t, "ls", opsjson.IDs(opsjson.Decode[[]opsjson.Message](t, out)), 106, 108)
 			},
@@ -91,6 +93,18 @@ func TestOpsCommands(t *testing.T) {
 			stdout: []string{"\n101  order-1  1 ", "(the first 1; --limit shows more)\n"},
 		},
 		{name: "ls no match", args: []string{"ls", "--key", "nope"}, stdout: []string{"no messages match\n"}},
+		{
+			name: "ls --target is a glob", args: []string{"ls", "--state", "parked", "--target", "pay*", "--json"},
+			json: func(t *testing.T, out string) {
+				opsjson.SameIDs(t, "ls", opsjson.IDs(opsjson.Decode[[]opsjson.Message](t, out)), 104, 105)
+			},
+		},
+		{name: "ls --target a plain name is exact", args: []string{"ls", "--target", "payments.retr"}, stdout: []string{"no messages match\n"}},
+		{name: "ls --reason is a code, not a substring", args: []string{"ls", "--reason", "missing"}, stdout: []string{"no messages match\n"}},
+		{name: "ls --reason refuses a whole reason", args: []string{"ls", "--reason", "missing_target: no header"}, code: 2,
+			stderr: []string{`want a reason code, the part of the reason before the colon, e.g. missing_target`}},
+		{name: "ls shows no due time for a rejected message", args: []string{"ls", "--state", "rejected"},
+			stdout: []string{"\n106  -    6    -             rejected  -    0 "}},
 		{
 			name: "ls no match --json", args: []string{"ls", "--key", "nope", "--json"},
 			json: func(t *testing.T, out string) {
@@ -174,7 +188,7 @@ func TestOpsCommands(t *testing.T) {
 				"Message 104: parked, holding its key: 0 pending messages of the key wait behind it\n", "  parked at     ",
 				"  replayed      0 times\n", "History of lineage 104:\n",
 				"  RECORDED AT", "MESSAGE  EVENT   ATTEMPT  TARGET          DUE", "  104      parked  1        payments.retry  ",
-				"  unknown_topic: no such topic  -\n",
+				"  unknown_topic: no such topic  -      -\n",
 			},
 		},
 		{
@@ -200,7 +214,8 @@ func TestOpsCommands(t *testing.T) {
 		},
 		{
 			name: "show a gone message", args: []string{"show", "112"},
-			stdout: []string{"Message 112: gone (delivered, or cancelled); its history remains\n", "History of lineage 112:\n", "  112      deferred  0 "},
+			stdout: []string{"Message 112: cancelled by postgres at ", ", while pending\n", "History of lineage 112:\n", "  112      deferred   0 ",
+				"  112      cancelled  0 ", "  postgres\n"},
 		},
 		{
 			name: "show a gone message --json", args: []string{"show", "112", "--json"},
@@ -208,8 +223,11 @@ func TestOpsCommands(t *testing.T) {
 				if !strings.Contains(out, `"message": null`) {
 					t.Errorf("want message null:\n%s", out)
 				}
-				if h := opsjson.Decode[opsjson.Story](t, out).History; len(h) != 1 || h[0].MessageID != 112 {
+				if h := opsjson.Decode[opsjson.Story](t, out).History; len(h) != 2 || h[0].MessageID != 112 || h[1].Event != "cancelled" {
 					t.Errorf("history: %+v", h)
+				}
+				if !strings.Contains(out, `"end": "cancelled by postgres at `) {
+					t.Errorf("want the end of the story:\n%s", out)
 				}
 			},
 		},
@@ -243,9 +261,10 @@ func TestOpsCommands(t *testing.T) {
 		},
 		{name: "held with an argument", args: []string{"held", "order-3"}, code: 2, stderr: []string{`unexpected argument "order-3"`}},
 		{name: "show malformed id", args: []string{"show", "abc"}, code: 2, stderr: []string{`"abc" is not a message id`}},
-		{name: "show no id", args: []string{"show"}, code: 2, stderr: []string{"want one message id, got 0 arguments"}},
-		{name: "show two ids", args: []string{"show", "101", "102"}, code: 2, stderr: []string{"want one message id, got 2 arguments"}},
-		{name: "show a list", args: []string{"show", "101,102"}, code: 2, stderr: []string{`want one message id, got "101,102"`}},
+		{name: "show no id", args: []string{"show"}, code: 2, stderr: []string{"want one message id, got 0"}},
+		{name: "show two ids", args: []string{"show", "101", "102"}, code: 2, stderr: []string{"want one message id, got 2"}},
+		{name: "show a list", args: []string{"show", "101,102"}, code: 2, stderr: []string{`want one message id, got 2`}},
+		{name: "show an id and --id", args: []string{"show", "101", "--id", "102"}, code: 2, stderr: []string{`want one message id, got 2`}},
 
 		// expedite
 		{
@@ -284,11 +303,24 @@ func TestOpsCommands(t *testing.T) {
 			stderr: []string{"message 104 is parked, no message with id 999: only pending messages can be expedited", "nothing changed"},
 			check:  `SELECT next_run_at > now() FROM deferred_message WHERE id = 103`,
 		},
-		{name: "expedite nothing", args: []string{"expedite"}, code: 2, stderr: []string{"give exactly one of --id, --key and --target (got 0)"}},
+		{
+			name: "expedite --target is a glob", args: []string{"expedite", "--target", "orders.*", "--json"},
+			json: func(t *testing.T, out string) {
+				opsjson.SameIDs(t, "expedite", opsjson.IDs(opsjson.Decode[opsjson.Change](t, out).Messages), 102, 110, 111)
+			},
+			check:  `SELECT count(*) = 3 FROM deferred_attempt WHERE event = 'expedited' AND actor = 'cli:alice'`,
+			addEnv: []string{"USER=alice"},
+		},
+		{
+			name: "expedite ids as arguments", args: []string{"expedite", "103", "110"},
+			stdout: []string{"expedited 2 messages\n"},
+		},
+		{name: "expedite nothing", args: []string{"expedite"}, code: 2, stderr: []string{"give exactly one of ids (arguments or --id), --key and --target (got 0)"}},
 		{name: "expedite two ways", args: []string{"expedite", "--key", "a", "--target", "b"}, code: 2, stderr: []string{"(got 2)"}},
 		{name: "expedite an empty key", args: []string{"expedite", "--key", ""}, code: 2, stderr: []string{"--key is empty"}},
 		{name: "expedite a malformed id", args: []string{"expedite", "--id", "12a"}, code: 2, stderr: []string{`"12a" is not a message id`}},
-		{name: "expedite an argument", args: []string{"expedite", "--key", "a", "b"}, code: 2, stderr: []string{`unexpected argument "b"`}},
+		{name: "expedite an argument that is no id", args: []string{"expedite", "--key", "a", "b"}, code: 2, stderr: []string{`"b" is not a message id`}},
+		{name: "expedite a key and ids", args: []string{"expedite", "--key", "a", "5"}, code: 2, stderr: []string{`give exactly one of ids (arguments or --id), --key and --target (got 2)`}},
 
 		// cancel
 		{
@@ -324,36 +356,39 @@ func TestOpsCommands(t *testing.T) {
 
 		// park
 		{
-			name: "park", args: []string{"park", "101", "--reason", "bad address, OPS-7"},
-			stdout: []string{"\n101  order-1  1    orders.retry  parked ", "parked by operator: bad address, OPS-7\n", "parked 1 message\n"},
+			name: "park", args: []string{"park", "101", "--why", "bad address, OPS-7"},
+			stdout: []string{"\n101  order-1  1    orders.retry  parked ", "operator: bad address, OPS-7\n", "parked 1 message\n"},
 			// It holds its key, as its policy says (park_holds_key).
-			check: `SELECT (SELECT state = 'parked' AND reason = 'parked by operator: bad address, OPS-7' FROM deferred_message WHERE id = 101)
+			check: `SELECT (SELECT state = 'parked' AND reason = 'operator: bad address, OPS-7' FROM deferred_message WHERE id = 101)
 			           AND (SELECT head_id = 101 AND held FROM deferred_key WHERE business_key = 'order-1')`,
 		},
 		{
-			name: "park --release-key", args: []string{"park", "101", "--reason", "poison", "--release-key"},
+			name: "park --release-key", args: []string{"park", "101", "--why", "poison", "--release-key"},
 			stdout: []string{"parked 1 message\n"},
 			check: `SELECT (SELECT state = 'parked' AND NOT park_holds_key FROM deferred_message WHERE id = 101)
 			           AND (SELECT head_id = 102 AND NOT held FROM deferred_key WHERE business_key = 'order-1')`,
 		},
 		{
-			name: "park --json", args: []string{"park", "--json", "--reason", "x", "103,110"},
+			name: "park --json", args: []string{"park", "--json", "--why", "x", "--id", "103,110"},
 			json: func(t *testing.T, out string) {
 				c := opsjson.Decode[opsjson.Change](t, out)
-				if c.Parked == nil || *c.Parked != 2 || c.Messages[0].State != "parked" || *c.Messages[0].Reason != "parked by operator: x" {
+				if c.Parked == nil || *c.Parked != 2 || c.Messages[0].State != "parked" || *c.Messages[0].Reason != "operator: x" {
 					t.Errorf("park: %+v", c)
 				}
 			},
 			check: `SELECT count(*) = 4 FROM deferred_message WHERE state = 'parked'`,
 		},
 		{
-			name: "park a parked and a rejected id", args: []string{"park", "101", "104", "106", "--reason", "x"}, code: 1,
+			name: "park a parked and a rejected id", args: []string{"park", "101", "104", "106", "--why", "x"}, code: 1,
 			stderr: []string{"message 104 is parked, message 106 is rejected: only pending messages can be parked; nothing changed"},
 			check:  `SELECT state = 'pending' FROM deferred_message WHERE id = 101`,
 		},
-		{name: "park without a reason", args: []string{"park", "101"}, code: 2, stderr: []string{"--reason is required"},
+		{name: "park with --reason, a reason code elsewhere", args: []string{"park", "101", "--reason", "bad"}, code: 2,
+			stderr: []string{"--reason is a reason code (ls, replay); say why with --why bad"},
+			check:  `SELECT state = 'pending' FROM deferred_message WHERE id = 101`},
+		{name: "park without a reason", args: []string{"park", "101"}, code: 2, stderr: []string{"--why is required"},
 			check: `SELECT state = 'pending' FROM deferred_message WHERE id = 101`},
-		{name: "park without ids", args: []string{"park", "--reason", "x"}, code: 2, stderr: []string{"want at least one message id"}},
+		{name: "park without ids", args: []string{"park", "--why", "x"}, code: 2, stderr: []string{"want at least one message id"}},
 
 		// inflight, release
 		{
@@ -466,7 +501,9 @@ func TestOpsCommands(t *testing.T) {
 		// pause, resume, limit, targets
 		{
 			name: "targets", args: []string{"targets"},
-			stdout: []string{"TARGET       PAUSED  RATE LIMIT  UPDATED AT", "NOTE\n", "audit.retry  yes     -           ", "  seeded pause\n", "bulk.retry   no      25/s        "},
+			setup:     `INSERT INTO target_control (target_topic) VALUES ('idle.retry')`,
+			stdout:    []string{"TARGET       PAUSED  RATE LIMIT  UPDATED AT", "CHANGED BY  NOTE\n", "audit.retry  yes     -           ", "  postgres    seeded pause\n", "bulk.retry   no      25/s        "},
+			notStdout: []string{"idle.retry"},
 		},
 		{
 			name: "targets --json", args: []string{"targets", "--json"},
@@ -493,6 +530,12 @@ func TestOpsCommands(t *testing.T) {
 				}
 			},
 			check: `SELECT paused AND rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{
+			name: "pause a target outside TARGET_TOPICS warns", args: []string{"pause", "audit.retry"},
+			addEnv: []string{"TARGET_TOPICS=orders.*,payments.retry"},
+			stdout: []string{"paused audit.retry\n", "seeded pause"},
+			stderr: []string{"scheduler pause: warning: TARGET_TOPICS (orders.*,payments.retry) does not allow audit.retry"},
 		},
 		{name: "pause without a target", args: []string{"pause", "--note", "x"}, code: 2, stderr: []string{"want a target topic"}},
 		{name: "pause an illegal topic", args: []string{"pause", "orders/retry"}, code: 2,
@@ -535,6 +578,12 @@ func TestOpsCommands(t *testing.T) {
 			stdout: []string{"bulk.retry  no      -  ", "unlimited bulk.retry\n"},
 			check:  `SELECT rate_limit IS NULL FROM target_control WHERE target_topic = 'bulk.retry'`,
 		},
+		{
+			name: "limit --rate", args: []string{"limit", "orders.retry", "--rate", "12.5"}, addEnv: []string{"USER=bob"},
+			stdout: []string{"orders.retry  no      12.5/s", "cli:bob", "limited orders.retry\n"},
+			check:  `SELECT count(*) = 1 FROM target_control_history WHERE target_topic = 'orders.retry' AND actor = 'cli:bob' AND rate_limit = 12.5`,
+		},
+		{name: "limit a rate twice", args: []string{"limit", "orders.retry", "5", "--rate", "6"}, code: 2, stderr: []string{"give the rate once"}},
 		{name: "limit off without a limit", args: []string{"limit", "audit.retry", "OFF"}, stdout: []string{"target audit.retry is not rate limited; nothing changed\n"}},
 		{name: "limit off an unknown target", args: []string{"limit", "nope.retry", "off"}, code: 1, stderr: []string{"target nope.retry has no controls"}},
 		{name: "limit zero", args: []string{"limit", "bulk.retry", "0"}, code: 2, stderr: []string{"rate 0: want messages per second > 0"},
@@ -563,7 +612,7 @@ func TestOpsCommands(t *testing.T) {
 		{name: "database down: show", args: []string{"show", "1"}, env: []string{down}, code: 1, stderr: []string{"connection refused"}},
 		{name: "database down: expedite", args: []string{"expedite", "--key", "k"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: cancel --json", args: []string{"cancel", "1", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database`}},
-		{name: "database down: park", args: []string{"park", "1", "--reason", "x"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
+		{name: "database down: park", args: []string{"park", "1", "--why", "x"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: held", args: []string{"held"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: replay", args: []string{"replay", "--id", "1"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
 		{name: "database down: pause", args: []string{"pause", "t"}, env: []string{down}, code: 1, stderr: []string{"connect to the database"}},
@@ -579,7 +628,7 @@ func TestOpsCommands(t *testing.T) {
 			if env == nil {
 				db = pgtest.NewDB(t)
 				fixture.SeedOps(t, db.Pool)
-				env = []string{"DATABASE_URL=" + db.URL}
+				env = append([]string{"DATABASE_URL=" + db.URL}, tt.addEnv...)
 				if tt.setup != "" {
 					if _, err := db.Pool.Exec(context.Background(), tt.setup); err != nil {
 						t.Fatalf("setup: %v", err)
@@ -596,7 +645,7 @@ func TestOpsCommands(t *testing.T) {
 			if code != tt.code {
 				t.Fatalf("exit code %d, want %d\nstdout:\n%s\nstderr:\n%s", code, tt.code, out, errOut)
 			}
-			if code == 0 && errOut != "" {
+			if code == 0 && errOut != "" && len(tt.stderr) == 0 {
 				t.Errorf("stderr is not empty:\n%s", errOut)
 			}
 			if code != 0 {

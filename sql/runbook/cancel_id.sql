@@ -4,7 +4,9 @@
 -- comma-separated list, whatever their state, and prints what was deleted. An
 -- id that is not printed did not exist (or was just republished and deleted
 -- by the scheduler). Deleting a key's head lets the next message of the key
--- go out. There is no undo.
+-- go out. There is no undo; the history (history.sql) keeps a 'cancelled'
+-- event with the message's last state and who deleted it (scheduler.actor,
+-- else the psql user).
 -- When: a message must never be delivered (a cancelled order, a poison
 -- record), or a rejected record is not worth fixing.
 -- Call:

@@ -6,6 +6,8 @@
 -- rejected messages are never sent: see replay_parked.sql). A message goes out
 -- only once it is the head of its key: expediting one behind a waiting head
 -- makes it due but not first (expedite_key.sql moves the whole key).
+-- The history records each message made due earlier as 'expedited', with
+-- who (scheduler.actor, else the psql user).
 -- When: one message should go out now rather than at its time.
 -- Call:
 --   psql "$DATABASE_URL" -v ids=1234 -f sql/runbook/expedite_id.sql

@@ -5,6 +5,8 @@
 -- key head at a time, within a poll interval (usually milliseconds: the head
 -- change notifies the dispatchers). A key that backs off after publish
 -- failures (held_keys.sql) keeps its back-off.
+-- The history records each message made due earlier as 'expedited', with
+-- who (scheduler.actor, else the psql user).
 -- When: the reason a key was deferred has healed (the provider is back, the
 -- data arrived) and waiting out its delays helps no one.
 -- Call:

@@ -3,6 +3,8 @@
 -- What: sets next_run_at = now() on the pending messages whose target_topic is
 -- :'target' and that are not due yet, and prints them. Per-key order holds:
 -- each key still goes out from its head in seq order.
+-- The history records each message made due earlier as 'expedited', with
+-- who (scheduler.actor, else the psql user).
 -- When: a downstream outage is over and its consumers can take the backlog
 -- now. Everything becomes due at once, so the target receives the whole
 -- backlog as fast as dispatch goes: make sure it can. On a large backlog this

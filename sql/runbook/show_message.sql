@@ -12,10 +12,14 @@
 --   2. Its headers in order, decoded the same way, from the view
 --      deferred_message_header.
 --   3. Its lineage: the message it re-defers (origin_id) if that row still
---      exists, and the rows that re-defer it. The lineage search reads the
---      whole table (origin_id is not indexed).
+--      exists, and the rows that re-defer it. origin_id is not indexed (an
+--      index would cost every ingested row): the re-deferrals are found
+--      through the history, which records each row under the lineage of the
+--      row it re-defers (deferred_attempt_lineage), so this reads a few
+--      index entries, not the table.
 --   4. Its lineage's history, as history.sql prints it: every time one of
---      its messages was deferred, parked, rejected or replayed.
+--      its messages was deferred, parked, rejected, replayed, expedited,
+--      published or cancelled, and who acted.
 -- When: a question about one message ("why has 1234 not gone out?").
 -- Call:
 --   psql "$DATABASE_URL" -v id=1234 -f sql/runbook/show_message.sql
@@ -85,10 +89,22 @@ CROSS JOIN utf8 u
 WHERE h.id = :id
 ORDER BY h.position;
 
-SELECT CASE WHEN l.id = o.origin_id THEN 'origin' ELSE 're-deferral' END AS relation,
-       l.id, l.business_key, l.seq, l.target_topic, l.state, l.next_run_at, l.attempt, l.reason
-FROM (SELECT id, origin_id FROM deferred_message WHERE id = :id) o
-JOIN deferred_message l ON l.id = o.origin_id OR l.origin_id = o.id
+SELECT l.relation, l.id, l.business_key, l.seq, l.target_topic, l.state, l.next_run_at, l.attempt, l.reason
+FROM (SELECT 'origin' AS relation, l.*
+      FROM deferred_message m
+      JOIN deferred_message l ON l.id = m.origin_id
+      WHERE m.id = :id
+      UNION ALL
+      SELECT 're-deferral', l.*
+      FROM deferred_message l
+      WHERE l.origin_id = :id
+        AND l.id IN (SELECT a.message_id
+                     FROM deferred_attempt a
+                     -- A re-deferral joins its origin's lineage; when the
+                     -- origin's history was already pruned, the lineage
+                     -- is named after the origin itself.
+                     WHERE a.lineage_id IN (:id, (SELECT f.lineage_id FROM deferred_attempt f
+                                                  WHERE f.message_id = :id ORDER BY f.message_id, f.id LIMIT 1)))) l
 ORDER BY l.id;
 
 SELECT a.lineage_id,
@@ -100,7 +116,10 @@ SELECT a.lineage_id,
        a.error_class,
        a.error_message,
        a.target_topic,
-       a.next_run_at
+       a.next_run_at,
+       a.partition,
+       a.record_offset,
+       a.actor
 FROM deferred_attempt a
 WHERE a.lineage_id = (SELECT lineage_id FROM deferred_attempt WHERE message_id = :id ORDER BY id LIMIT 1)
 ORDER BY a.id;

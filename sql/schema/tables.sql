@@ -215,8 +215,9 @@ CREATE TABLE deferred_attempt (
     -- deferred: stored pending; gated: stored pending behind a blocked key
     -- without being tried (deferred_message.gated); parked / rejected:
     -- stored or moved there; replayed: moved from parked or rejected back
-    -- to pending; published: delivered to its target (partition and
-    -- record_offset say where) and deleted.
+    -- to pending; expedited: made due earlier while pending; published:
+    -- delivered to its target (partition and record_offset say where) and
+    -- deleted; cancelled: deleted by anyone but dispatch's finalize.
     event         text NOT NULL,
     attempt       int NOT NULL,
     reason        text,
@@ -228,13 +229,19 @@ CREATE TABLE deferred_attempt (
     -- published: where the broker put the record.
     partition     int,
     record_offset bigint,
+    -- Who made the change: the transaction setting scheduler.actor
+    -- (operate.SetActor: 'cli:alice', 'console:bob'), else the database's
+    -- session_user (an operator with psql). NULL: the service itself
+    -- (ingest's inserts, dispatch's publish and park), or recorded before
+    -- actors were kept.
+    actor         text,
 
     CONSTRAINT deferred_attempt_event_valid
-        CHECK (event IN ('deferred', 'gated', 'parked', 'rejected', 'replayed', 'published'))
+        CHECK (event IN ('deferred', 'gated', 'parked', 'rejected', 'replayed', 'published', 'cancelled', 'expedited'))
 );
 
 COMMENT ON TABLE deferred_attempt IS
-    'History of every message lineage: deferrals, parks, rejections and replays. Written by triggers on deferred_message; pruned after HISTORY_RETENTION.';
+    'History of every message lineage: deferrals, parks, rejections, replays, expedites, cancels and deliveries, and who acted. Written by triggers on deferred_message and by dispatch''s finalize; pruned after HISTORY_RETENTION.';
 
 CREATE INDEX deferred_attempt_lineage ON deferred_attempt (lineage_id, id);
 -- (message_id, id): a lineage lookup is one index probe, first row wins.
@@ -333,3 +340,30 @@ CREATE TABLE target_control (
     CONSTRAINT target_control_rate_limit_positive
         CHECK (rate_limit IS NULL OR (rate_limit > 0 AND rate_limit < 'infinity'))
 );
+
+-- ---------------------------------------------------------------------------
+-- target_control_history: every change of a target's pause, rate limit or
+-- note, with who and when, written by row triggers on target_control
+-- (triggers/target_control.sql) that fire only when one of those changes:
+-- the dispatchers' token updates write nothing here. actor is the
+-- transaction setting scheduler.actor (operate.SetActor), else the
+-- database's session_user. A few rows per operator action: never pruned.
+CREATE TABLE target_control_history (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    target_topic text NOT NULL,
+    changed_at   timestamptz NOT NULL DEFAULT now(),
+    actor        text NOT NULL,
+    -- insert, update or delete: what happened to the target_control row.
+    change       text NOT NULL,
+    -- The row's settings after the change (NULL after a delete).
+    paused       boolean,
+    rate_limit   double precision,
+    note         text,
+
+    CONSTRAINT target_control_history_change_valid CHECK (change IN ('insert', 'update', 'delete'))
+);
+
+COMMENT ON TABLE target_control_history IS
+    'Every change of a target''s pause, rate limit or note in target_control, with who and when. Written by triggers on target_control.';
+
+CREATE INDEX target_control_history_target ON target_control_history (target_topic, id);

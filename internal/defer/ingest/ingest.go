@@ -29,6 +29,7 @@ import (
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/internal/policy"
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // ConsumerConfig returns consumer-group settings for ingest: start from the
@@ -802,8 +803,11 @@ func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession,
 	in.cfg.Metrics.IngestBatch(int(n.Stored-n.Rejected), len(msgs)-int(n.Stored), int(n.Rejected), byCode, took)
 	in.cfg.Metrics.IngestParked(parkedBy)
 	in.cfg.Metrics.IngestGated(n.Gated)
+	// The counts are the metrics': stored are the valid rows (pending or
+	// parked; parked and gated say how many of them), rejected the rows
+	// stored as rejected, duplicates the records stored before.
 	attrs := []any{"topic", topic, "partition", partition,
-		"records", len(msgs), "stored", n.Stored, "rejected", n.Rejected, "parked", n.Parked, "gated", n.Gated,
+		"records", len(msgs), "stored", n.Stored - n.Rejected, "rejected", n.Rejected, "parked", n.Parked, "gated", n.Gated,
 		"duplicates", int64(len(msgs)) - n.Stored,
 		"first_offset", msgs[0].Offset, "last_offset", msgs[len(msgs)-1].Offset, "duration", took}
 	// Codes only: the rows hold the details, and a batch of bad records
@@ -971,7 +975,7 @@ func storeFailed(e Entry, err error) Entry {
 	return Entry{
 		Offset: e.Offset,
 		Record: e.Record,
-		Reject: &protocol.RejectError{Code: "store_failed", Detail: detail},
+		Reject: &protocol.RejectError{Code: reason.StoreFailed, Detail: detail},
 	}
 }
 

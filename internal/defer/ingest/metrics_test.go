@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -93,6 +95,12 @@ func TestIngestRecordsMetrics(t *testing.T) {
 		`scheduler_ingest_lag_records{partition="1"}`, 0,
 		`scheduler_ingest_lag_records{partition="2"}`, 0,
 	))
+	// The "ingested batch" lines count as the metrics do: a rejected record
+	// is not stored.
+	logged := batchLogCounts(t, first.log.String())
+	if logged["stored"] != 3 || logged["rejected"] != 2 || logged["duplicates"] != 0 || logged["records"] != 5 {
+		t.Errorf("ingested batch lines add up to %v; want stored 3, rejected 2, duplicates 0 of 5 records, as the metrics say", logged)
+	}
 	g := gatherIngest(t, reg)
 	if g["scheduler_ingest_batch_records_count"] != g["scheduler_ingest_batch_duration_seconds_count"] ||
 		g["scheduler_ingest_batch_records_count"] < 3 {
@@ -189,4 +197,30 @@ func TestParkedByCode(t *testing.T) {
 			}
 		}
 	}
+}
+
+// batchLogCounts adds up the counts of the "ingested batch" lines in logs.
+func batchLogCounts(t *testing.T, logs string) map[string]int {
+	t.Helper()
+	sum := map[string]int{}
+	for _, line := range strings.Split(logs, "\n") {
+		if !strings.Contains(line, `msg="ingested batch"`) {
+			continue
+		}
+		for _, field := range strings.Fields(line) {
+			k, v, ok := strings.Cut(field, "=")
+			if !ok {
+				continue
+			}
+			switch k {
+			case "records", "stored", "rejected", "parked", "duplicates":
+				n, err := strconv.Atoi(v)
+				if err != nil {
+					t.Fatalf("%s=%q in %s", k, v, line)
+				}
+				sum[k] += n
+			}
+		}
+	}
+	return sum
 }

@@ -6,18 +6,19 @@ import (
 	"time"
 
 	"github.com/deferq/scheduler/internal/policy"
+	"github.com/deferq/scheduler/internal/reason"
 )
 
-// Reason codes of records parked at ingest. Like the rejection codes they are
-// metric label values and operators filter on them
+// Reason codes of records parked at ingest, from package reason. Like the
+// rejection codes they are metric label values and operators filter on them
 // (split_part(reason, ':', 1)), so they never change.
 const (
 	// codePermanent: defer.error.class is "permanent".
-	codePermanent = "permanent"
+	codePermanent = reason.Permanent
 	// codeNonRetriable: defer.error.class matches NON_RETRIABLE_ERRORS.
-	codeNonRetriable = "non_retriable"
+	codeNonRetriable = reason.NonRetriable
 	// codeExhausted: defer.attempt has reached the policy's maximum.
-	codeExhausted = "exhausted"
+	codeExhausted = reason.Exhausted
 )
 
 // ParkReason says why a valid record goes straight to the parking lot.

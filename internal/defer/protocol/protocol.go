@@ -18,6 +18,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/deferq/scheduler/internal/policy"
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // Control headers. Their values are UTF-8 text. Every other header, including
@@ -195,28 +196,27 @@ type Schedule struct {
 	Gated bool
 }
 
-// Rejection codes. They are metric label values and are queried by
-// operators, so they must never change; add new ones instead. A code Parse
-// no longer emits stays, so that its history remains explained.
+// Rejection codes, from the one list of reason codes (package reason). They
+// are metric label values and are queried by operators, so they never change.
 const (
-	codeInvalidEncoding     = "invalid_encoding"
-	codeDuplicateHeader     = "duplicate_header"
-	codeMissingTarget       = "missing_target"
-	codeInvalidTarget       = "invalid_target"
-	codeTargetNotAllowed    = "target_not_allowed"
-	codeMissingSchedule     = "missing_schedule" // no longer emitted: the retry policy picks the delay
-	codeConflictingSchedule = "conflicting_schedule"
-	codeInvalidAt           = "invalid_at"
-	codeInvalidDelay        = "invalid_delay"
-	codeDelayTooLong        = "delay_too_long"
-	codeKeyTooLong          = "key_too_long"
-	codeInvalidAttempt      = "invalid_attempt"
-	codeInvalidID           = "invalid_id"
-	codeInvalidSeq          = "invalid_seq"
-	codeInvalidRedriveCount = "invalid_redrive_count"
-	codeInvalidSource       = "invalid_source"
-	codeInvalidGroup        = "invalid_group"
-	codeInvalidGated        = "invalid_gated"
+	codeInvalidEncoding     = reason.InvalidEncoding
+	codeDuplicateHeader     = reason.DuplicateHeader
+	codeMissingTarget       = reason.MissingTarget
+	codeInvalidTarget       = reason.InvalidTarget
+	codeTargetNotAllowed    = reason.TargetNotAllowed
+	codeMissingSchedule     = reason.MissingSchedule
+	codeConflictingSchedule = reason.ConflictingSchedule
+	codeInvalidAt           = reason.InvalidAt
+	codeInvalidDelay        = reason.InvalidDelay
+	codeDelayTooLong        = reason.DelayTooLong
+	codeKeyTooLong          = reason.KeyTooLong
+	codeInvalidAttempt      = reason.InvalidAttempt
+	codeInvalidID           = reason.InvalidID
+	codeInvalidSeq          = reason.InvalidSeq
+	codeInvalidRedriveCount = reason.InvalidRedriveCount
+	codeInvalidSource       = reason.InvalidSource
+	codeInvalidGroup        = reason.InvalidGroup
+	codeInvalidGated        = reason.InvalidGated
 )
 
 // RejectError says why a record cannot be scheduled.

@@ -11,6 +11,8 @@ import (
 	"math"
 	"slices"
 	"strings"
+
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // Record signing (docs/signing.md). A producing service names itself in
@@ -34,10 +36,10 @@ const signatureContext = "defer-signature-v1"
 // Rejection codes of signature checks (see Signing). Like every rejection
 // code they never change.
 const (
-	codeSignatureMissing       = "signature_missing"
-	codeSignatureInvalid       = "signature_invalid"
-	codeSignatureWithoutSource = "signature_without_source"
-	codeUnknownSource          = "unknown_source"
+	codeSignatureMissing       = reason.SignatureMissing
+	codeSignatureInvalid       = reason.SignatureInvalid
+	codeSignatureWithoutSource = reason.SignatureWithoutSource
+	codeUnknownSource          = reason.UnknownSource
 )
 
 // Verify's errors. They are wrapped with what exactly is wrong.

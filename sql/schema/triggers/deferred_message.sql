@@ -42,3 +42,13 @@ CREATE OR REPLACE TRIGGER deferred_attempt_insert AFTER INSERT ON deferred_messa
 CREATE OR REPLACE TRIGGER deferred_attempt_update AFTER UPDATE ON deferred_message
     REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
     FOR EACH STATEMENT EXECUTE FUNCTION deferred_attempt_after_update();
+
+-- 'cancelled': a message deleted by anyone but dispatch's finalize, which
+-- sets scheduler.finalizing and records 'published' itself. The WHEN test
+-- keeps the finalize's deletes, the hot path, from even calling the
+-- function.
+CREATE OR REPLACE TRIGGER deferred_attempt_delete AFTER DELETE ON deferred_message
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT
+    WHEN (nullif(current_setting('scheduler.finalizing', true), '') IS NULL)
+    EXECUTE FUNCTION deferred_attempt_after_delete();

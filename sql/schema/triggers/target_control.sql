@@ -22,3 +22,15 @@ CREATE OR REPLACE TRIGGER target_control_throttle
 -- head writer can be flagging a head meanwhile.
 CREATE OR REPLACE TRIGGER target_control_truncate AFTER TRUNCATE ON target_control
     FOR EACH STATEMENT EXECUTE FUNCTION target_control_after_truncate();
+
+-- History of what operators set (target_control_history). Row triggers,
+-- limited to the columns an operator sets and to real changes: the
+-- dispatchers' token updates (tokens, refilled_at) never fire them.
+CREATE OR REPLACE TRIGGER target_control_recorded AFTER INSERT OR DELETE ON target_control
+    FOR EACH ROW EXECUTE FUNCTION target_control_record();
+
+CREATE OR REPLACE TRIGGER target_control_changed_by AFTER UPDATE OF paused, rate_limit, note ON target_control
+    FOR EACH ROW
+    WHEN (OLD.paused IS DISTINCT FROM NEW.paused OR OLD.rate_limit IS DISTINCT FROM NEW.rate_limit
+          OR OLD.note IS DISTINCT FROM NEW.note)
+    EXECUTE FUNCTION target_control_record();
