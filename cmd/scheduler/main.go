@@ -6,8 +6,8 @@
 // due, keeping per-key order. See README.md and docs/design.md.
 //
 // This command only parses which command to run and calls the package that
-// runs it: internal/service (run, migrate) and internal/opscli (the
-// operator commands).
+// runs it: internal/service (run, migrate), internal/console (console) and
+// internal/opscli (the operator commands).
 package main
 
 import (
@@ -19,6 +19,7 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/deferq/scheduler/internal/console"
 	"github.com/deferq/scheduler/internal/opscli"
 	"github.com/deferq/scheduler/internal/service"
 )
@@ -41,6 +42,8 @@ Commands:
   run       ingest the defer topic, dispatch due messages, serve health checks
   migrate   apply the database migrations (the service's and River's)
   version   print the version
+  console   serve the operator console (a web page) alone, against
+            DATABASE_URL; "console hash-password" makes a user's hash
 
 Operator commands (DATABASE_URL; --json for scripts; see "Operating it" in
 the README and the SQL runbook in sql/runbook):
@@ -93,11 +96,13 @@ func runWithInput(ctx context.Context, args, environ []string, stdin io.Reader, 
 		return service.RunCommand(ctx, version, rest, environ, stdout, stderr)
 	case "migrate":
 		return service.MigrateCommand(ctx, rest, environ, stdout, stderr)
+	case "console":
+		return console.Command(ctx, rest, environ, stdin, stdout, stderr)
 	}
 	if code, ok := opscli.Run(ctx, cmd, rest, environ, stdin, stdout, stderr); ok {
 		return code
 	}
-	fmt.Fprintf(stderr, "scheduler: unknown command %q; commands are run, migrate, version, %s (see scheduler --help)\n",
+	fmt.Fprintf(stderr, "scheduler: unknown command %q; commands are run, migrate, console, version, %s (see scheduler --help)\n",
 		cmd, strings.Join(opscli.Commands(), ", "))
 	return 2
 }

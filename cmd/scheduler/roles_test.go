@@ -265,7 +265,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		t.Errorf("expedite: %+v", c)
 	}
 	got.until(t, 15*time.Second, "the expedited record", valueIs("later"))
-	if c := opsjson.Decode[opsjson.Change](t, ops("park", doomed, "--reason", "ops test", "--json")); c.Parked == nil || *c.Parked != 1 {
+	if c := opsjson.Decode[opsjson.Change](t, ops("park", doomed, "--why", "ops test", "--json")); c.Parked == nil || *c.Parked != 1 {
 		t.Errorf("park: %+v", c)
 	}
 	if c := opsjson.Decode[opsjson.Change](t, ops("cancel", doomed, "--json")); c.Cancelled == nil || *c.Cancelled != 1 {
@@ -324,8 +324,14 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		"targets.sql":         nil,
 		"unlimit_target.sql":  {"target": targetTopic},
 	}
-	// Its name would realign the table above.
+	// Their names would realign the table above.
 	runbookVars["release_inflight.sql"] = map[string]string{"group": "no-such-group", "key": ""}
+	runbookVars["console_overview.sql"] = map[string]string{"window": "5 minutes"}
+	runbookVars["console_messages.sql"] = map[string]string{"state": "", "target": "", "reason": "", "error_class": "",
+		"since": "", "until": "", "sort": "due", "after_at": "", "after_id": "", "limit": "50"}
+	runbookVars["key_messages.sql"] = map[string]string{"key": "no-such-key", "after_seq": "", "after_id": "", "limit": "50"}
+	runbookVars["key_state.sql"] = map[string]string{"key": "no-such-key"}
+	runbookVars["fix_rejected.sql"] = map[string]string{"ids": "0", "target": targetTopic, "due": ""}
 	for _, name := range runbook.Names() {
 		vars, ok := runbookVars[name]
 		if !ok {

@@ -6,6 +6,7 @@
 package config
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -23,6 +24,7 @@ import (
 	"github.com/caarlos0/env/v11"
 
 	"github.com/deferq/scheduler/internal/batchproducer"
+	"github.com/deferq/scheduler/internal/console/access"
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/kafkaclient"
 	"github.com/deferq/scheduler/internal/policy"
@@ -70,7 +72,7 @@ type Config struct {
 	KafkaVersion            string        `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`
 	KafkaClientID           string        `env:"KAFKA_CLIENT_ID" envDefault:"defer-scheduler" form:"string" help:"client.id sent to the brokers"`
 	KafkaTimeout            time.Duration `env:"KAFKA_TIMEOUT" envDefault:"5s" form:"Go duration, 100ms..1m" help:"bound on each Kafka network step (dial, write, read); publish retries derive from it"`
-	KafkaMaxMessageBytes    int           `env:"KAFKA_MAX_MESSAGE_BYTES" envDefault:"1048576" form:"integer, 1024..104857600" help:"largest record the scheduler republishes (and copies to a dead-letter topic); larger ones are parked with publish_failed: too_large. The brokers' and topics' max.message.bytes must allow it too"`
+	KafkaMaxMessageBytes    int           `env:"KAFKA_MAX_MESSAGE_BYTES" envDefault:"1048576" form:"integer, 1024..104857600" help:"largest record the scheduler republishes (and copies to a dead-letter topic); larger ones are parked with reason too_large. The brokers' and topics' max.message.bytes must allow it too"`
 	KafkaTLS                bool          `env:"KAFKA_TLS" envDefault:"false" form:"true or false" help:"connect to the brokers with TLS"`
 	KafkaTLSCAFile          string        `env:"KAFKA_TLS_CA_FILE" form:"path to a PEM file" help:"CA bundle for the brokers' certificates (default: system roots)"`
 	KafkaTLSCertFile        string        `env:"KAFKA_TLS_CERT_FILE" form:"path to a PEM file" help:"client certificate for mutual TLS"`
@@ -85,11 +87,22 @@ type Config struct {
 	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
 	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message"`
 
+	// The operator console (internal/console, docs/console.md).
+	ConsoleAddr           string        `env:"CONSOLE_ADDR" form:"host:port, or empty" help:"serve the operator console (docs/console.md) here, apart from HTTP_ADDR so that it can be exposed to people while /metrics stays internal; empty: off"`
+	ConsoleDatabaseURL    secret        `env:"CONSOLE_DATABASE_URL" form:"PostgreSQL URL, or empty" help:"the console's database connection, meant to log in as the operator role of sql/roles; empty: DATABASE_URL; never printed"`
+	ConsoleUsers          secret        `env:"CONSOLE_USERS" form:"comma-separated name:role:hash entries, role viewer or operator, hash as printed by scheduler console hash-password" help:"who may log in to the console; with no user at all it serves only a page saying how to configure access; never printed"`
+	ConsoleUsersFile      string        `env:"CONSOLE_USERS_FILE" form:"path to a readable file of name:role:hash lines (# comments, blank lines)" help:"file of console users, one name:role:hash per line, besides CONSOLE_USERS"`
+	ConsoleSessionKey     secret        `env:"CONSOLE_SESSION_KEY" form:"hex, at least 64 digits (32 bytes), or empty" help:"key that signs console session cookies, the same on every replica; empty: a random key per process (sessions end at restart and are not shared between replicas); never printed"`
+	ConsoleSessionTTL     time.Duration `env:"CONSOLE_SESSION_TTL" envDefault:"12h" form:"Go duration, 1m..720h" help:"how long a console login lasts"`
+	ConsoleCookieSecure   bool          `env:"CONSOLE_COOKIE_SECURE" envDefault:"false" form:"true or false" help:"mark the console's session cookie Secure even when the request did not come over TLS (set it behind a proxy that ends TLS)"`
+	ConsolePayloadPreview bool          `env:"CONSOLE_PAYLOAD_PREVIEW" envDefault:"true" form:"true or false" help:"show message payloads and header values in the console; false hides them (personal data) and the pages say so"`
+
 	// What validate builds from the variables; see the accessors below.
-	targets    protocol.TargetPatterns
-	policies   *policy.Set
-	classifier policy.Classifier
-	signing    *protocol.Signing
+	targets      protocol.TargetPatterns
+	policies     *policy.Set
+	classifier   policy.Classifier
+	signing      *protocol.Signing
+	consoleUsers []access.User
 	// raw is the environment as given, so errors quote values as typed.
 	raw map[string]string
 }
@@ -108,6 +121,9 @@ func Load(environ []string) (Config, error) {
 	// raw is quoted in errors; secrets must never be.
 	delete(vars, "SIGNING_KEYS")
 	delete(vars, "KAFKA_SASL_PASSWORD")
+	delete(vars, "CONSOLE_DATABASE_URL")
+	delete(vars, "CONSOLE_USERS")
+	delete(vars, "CONSOLE_SESSION_KEY")
 	c.raw = vars
 	if perr == nil {
 		return c, c.validate()
@@ -243,6 +259,7 @@ func (c *Config) validate() error {
 		errs = append(errs, c.bad("NON_RETRIABLE_ERRORS", c.NonRetriableErrors, fieldForm("NonRetriableErrors"), err))
 	}
 	errs = append(errs, c.loadSigning()...)
+	errs = append(errs, c.loadConsole()...)
 	if c.HistoryRetention < 0 {
 		errs = append(errs, c.bad("HISTORY_RETENTION", c.HistoryRetention.String(), fieldForm("HistoryRetention"), "must not be negative"))
 	}
@@ -346,6 +363,60 @@ func (c *Config) loadSigning() []error {
 		return prefixed("SIGNING_KEYS", err)
 	}
 	return nil
+}
+
+// loadConsole checks the CONSOLE_* settings and reads the console's users
+// from CONSOLE_USERS and CONSOLE_USERS_FILE. Its errors never quote a hash,
+// the session key or the console's database URL.
+func (c *Config) loadConsole() []error {
+	var errs []error
+	if c.ConsoleAddr != "" {
+		if _, _, err := net.SplitHostPort(c.ConsoleAddr); err != nil {
+			errs = append(errs, c.bad("CONSOLE_ADDR", c.ConsoleAddr, "host:port, e.g. :8081, or empty", err))
+		}
+	}
+	if k := string(c.ConsoleSessionKey); k != "" {
+		if b, err := hex.DecodeString(k); err != nil || len(b) < 32 {
+			errs = append(errs, errors.New("CONSOLE_SESSION_KEY (value not shown) is not valid: want hex, at least 64 digits (32 bytes), e.g. from openssl rand -hex 32"))
+		}
+	}
+	if c.ConsoleSessionTTL < time.Minute || c.ConsoleSessionTTL > 720*time.Hour {
+		errs = append(errs, c.bad("CONSOLE_SESSION_TTL", c.ConsoleSessionTTL.String(), fieldForm("ConsoleSessionTTL")))
+	}
+	var fileText string
+	if path := c.ConsoleUsersFile; path != "" {
+		data, err := os.ReadFile(path)
+		if err != nil {
+			errs = append(errs, c.bad("CONSOLE_USERS_FILE", path, fieldForm("ConsoleUsersFile"), err))
+		}
+		fileText = string(data)
+	}
+	users, err := access.ParseUsers(access.Entries(string(c.ConsoleUsers), fileText, c.ConsoleUsersFile))
+	if err != nil {
+		errs = append(errs, err.(interface{ Unwrap() []error }).Unwrap()...)
+	}
+	c.consoleUsers = users
+	return errs
+}
+
+// ConsoleUserList returns the console's users, from CONSOLE_USERS and
+// CONSOLE_USERS_FILE; none means the console serves only a page saying how
+// to configure access.
+func (c *Config) ConsoleUserList() []access.User { return c.consoleUsers }
+
+// ConsoleDB returns the URL the console connects with:
+// CONSOLE_DATABASE_URL, or DATABASE_URL when that is empty.
+func (c *Config) ConsoleDB() string {
+	if c.ConsoleDatabaseURL != "" {
+		return string(c.ConsoleDatabaseURL)
+	}
+	return c.DatabaseURL
+}
+
+// ConsoleKey returns CONSOLE_SESSION_KEY decoded, or nil when it is empty.
+func (c *Config) ConsoleKey() []byte {
+	b, _ := hex.DecodeString(string(c.ConsoleSessionKey)) // validated
+	return b
 }
 
 // prefixed returns each error joined in err (errors.Join) prefixed with
@@ -474,16 +545,21 @@ func Vars() []Var {
 }
 
 // PrintEnvHelp writes the table of variables `scheduler run --help` shows:
-// name, default and meaning.
+// name, default, and meaning followed by the form a valid value takes (the
+// values and ranges the README and the error messages give).
 func PrintEnvHelp(w io.Writer) {
 	tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "  VARIABLE\tDEFAULT\tMEANING")
+	fmt.Fprintln(tw, "  VARIABLE\tDEFAULT\tMEANING (ACCEPTED VALUES)")
 	for _, v := range Vars() {
 		def := v.Default
 		if def == "" {
 			def = "-"
 		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\n", v.Name, def, v.Help)
+		help := v.Help
+		if v.Form != "" {
+			help += " (accepts: " + v.Form + ")"
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\n", v.Name, def, help)
 	}
 	tw.Flush()
 }

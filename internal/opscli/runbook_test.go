@@ -35,6 +35,12 @@ func TestRunbook(t *testing.T) {
 		// check is a query returning true when the file had its effect.
 		check string
 	}
+	// oldestDueQuery is oldest_due.sql as a subquery, for checks of its columns.
+	oldestDueQuery, err := runbook.Query("oldest_due.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldestDueQuery = strings.TrimSuffix(strings.TrimSpace(oldestDueQuery), ";")
 	tests := []runbookCase{
 		{
 			name: "backlog", file: "backlog.sql", lines: 5,
@@ -55,6 +61,15 @@ func TestRunbook(t *testing.T) {
 		{
 			name: "oldest due", file: "oldest_due.sql", lines: 1,
 			want: []string{"2|101|order-1|orders.retry|"},
+		},
+		{
+			// 102 is due behind 101; 113 is due in a paused target.
+			name: "oldest due says why due messages wait", file: "oldest_due.sql", lines: 1,
+			setup: `UPDATE deferred_message SET next_run_at = now() - interval '1 minute' WHERE id = 102;
+			        INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at)
+			        VALUES (113, 'order-9', 113, 'audit.retry', now() - interval '1 minute')`,
+			want:  []string{"3|101|order-1|orders.retry|"},
+			check: `SELECT due_messages >= 3 AND waiting_behind = 1 AND waiting_paused = 1 FROM (` + oldestDueQuery + `) o`,
 		},
 		{
 			name: "held keys", file: "held_keys.sql", lines: 3,
@@ -96,13 +111,22 @@ func TestRunbook(t *testing.T) {
 			want: []string{"|t|||0|t|0|t||", "104|104|", "|parked|1|unknown_topic: no such topic|"},
 		},
 		{
-			name: "show a gone message: its history", file: "show_message.sql", vars: map[string]string{"id": "112"}, lines: 1,
-			want: []string{"112|112|", "|deferred|0||||orders.retry|"},
+			name: "show a gone message: its history ends with who cancelled it", file: "show_message.sql", vars: map[string]string{"id": "112"}, lines: 2,
+			want: []string{"112|112|", "|deferred|0||||orders.retry|", "|cancelled|0||||orders.retry|", "|||postgres\n"},
 		},
 		{
 			name: "list by target, state and reason", file: "list.sql", lines: 1,
-			vars: map[string]string{"target": "payments.retry", "state": "parked", "key": "", "reason": "UNKNOWN", "limit": "10"},
+			vars: map[string]string{"target": "payments.retry", "state": "parked", "key": "", "reason": "unknown_topic", "limit": "10"},
 			want: []string{"104|order-3|4|payments.retry|parked|", "|1|unknown_topic: no such topic"},
+		},
+		{
+			name: "list by target pattern and reason code", file: "list.sql", lines: 1,
+			vars: map[string]string{"target": "pay%", "state": "", "key": "", "reason": "unknown_topic", "limit": "10"},
+			want: []string{"104|order-3|4|payments.retry|parked|"},
+		},
+		{
+			name: "list: a reason code is exact, not a substring", file: "list.sql", lines: 0,
+			vars: map[string]string{"target": "", "state": "", "key": "", "reason": "unknown", "limit": "10"},
 		},
 		{
 			name: "list by key", file: "list.sql", lines: 2,
@@ -117,7 +141,8 @@ func TestRunbook(t *testing.T) {
 			name: "expedite a key", file: "expedite_key.sql", vars: map[string]string{"key": "order-1"}, lines: 1,
 			want: []string{"102|order-1|2|orders.retry|pending|"}, // 101 is due already
 			check: `SELECT (SELECT next_run_at <= now() FROM deferred_message WHERE id = 102)
-			           AND (SELECT next_run_at > now() FROM deferred_message WHERE id = 103)`,
+			           AND (SELECT next_run_at > now() FROM deferred_message WHERE id = 103)
+			           AND (SELECT count(*) = 1 FROM deferred_attempt WHERE message_id = 102 AND event = 'expedited' AND actor = 'postgres')`,
 		},
 		{
 			name: "expedite a target", file: "expedite_target.sql", vars: map[string]string{"target": "payments.retry"}, lines: 1,
@@ -130,12 +155,16 @@ func TestRunbook(t *testing.T) {
 			name: "expedite ids", file: "expedite_id.sql", vars: map[string]string{"ids": "102,104,999"}, lines: 1,
 			want: []string{"102|order-1|2|orders.retry|pending|"}, // 104 is parked, 999 does not exist
 			check: `SELECT (SELECT next_run_at <= now() FROM deferred_message WHERE id = 102)
-			           AND (SELECT state = 'parked' FROM deferred_message WHERE id = 104)`,
+			           AND (SELECT state = 'parked' FROM deferred_message WHERE id = 104)
+			           AND (SELECT array_agg(message_id) = '{102}' FROM deferred_attempt WHERE event = 'expedited')`,
 		},
 		{
 			name: "cancel ids", file: "cancel_id.sql", vars: map[string]string{"ids": "104,106"}, lines: 2,
-			want:  []string{"104|order-3|4|payments.retry|parked|", "106||6||rejected|"},
-			check: `SELECT NOT EXISTS (SELECT 1 FROM deferred_message WHERE id IN (104, 106)) AND (SELECT count(*) = 9 FROM deferred_message)`,
+			want: []string{"104|order-3|4|payments.retry|parked|", "106||6||rejected|"},
+			check: `SELECT NOT EXISTS (SELECT 1 FROM deferred_message WHERE id IN (104, 106)) AND (SELECT count(*) = 9 FROM deferred_message)
+			           AND (SELECT array_agg(message_id ORDER BY message_id) = '{104,106}' FROM deferred_attempt
+			                WHERE event = 'cancelled' AND actor = 'postgres' AND message_id <> 112)
+			           AND (SELECT reason = 'unknown_topic: no such topic' FROM deferred_attempt WHERE event = 'cancelled' AND message_id = 104)`,
 		},
 		{
 			name: "cancel a head frees its key", file: "cancel_id.sql", vars: map[string]string{"ids": "101"}, lines: 1,
@@ -144,14 +173,14 @@ func TestRunbook(t *testing.T) {
 		},
 		{
 			name: "park holding the key", file: "park_id.sql", vars: map[string]string{"ids": "101,105", "why": "it's broken, ticket OPS-7", "release": "false"}, lines: 1,
-			want: []string{"101|order-1|1|orders.retry|parked|", "|parked by operator: it's broken, ticket OPS-7"},
+			want: []string{"101|order-1|1|orders.retry|parked|", "|operator: it's broken, ticket OPS-7"},
 			check: `SELECT (SELECT head_id = 101 AND held AND next_run_at = 'infinity' FROM deferred_key WHERE business_key = 'order-1')
 			           AND (SELECT reason = 'not_authorized: topic ACL' FROM deferred_message WHERE id = 105)
 			           AND (SELECT parked_at IS NOT NULL FROM deferred_message WHERE id = 101)`,
 		},
 		{
 			name: "park releasing the key", file: "park_id.sql", vars: map[string]string{"ids": "101", "why": "poison", "release": "true"}, lines: 1,
-			want: []string{"101|order-1|1|orders.retry|parked|", "|parked by operator: poison"},
+			want: []string{"101|order-1|1|orders.retry|parked|", "|operator: poison"},
 			check: `SELECT (SELECT head_id = 102 AND NOT held FROM deferred_key WHERE business_key = 'order-1')
 			           AND (SELECT NOT park_holds_key FROM deferred_message WHERE id = 101)`,
 		},
@@ -211,15 +240,16 @@ func TestRunbook(t *testing.T) {
 			want: []string{"101|101|", "|deferred|2||ProviderTimeout|upstream 504|orders.retry|", "101|102|", "|deferred|3|"},
 		},
 		{
-			name: "history of a gone message", file: "history.sql", vars: map[string]string{"id": "112"}, lines: 1,
-			want: []string{"112|112|"},
+			name: "history of a gone message", file: "history.sql", vars: map[string]string{"id": "112"}, lines: 2,
+			want: []string{"112|112|", "|cancelled|"},
 		},
 		{
 			name: "history of nothing", file: "history.sql", vars: map[string]string{"id": "999"}, lines: 0,
 		},
 		{
-			name: "targets", file: "targets.sql", lines: 2,
-			want: []string{"audit.retry|t||seeded pause|", "bulk.retry|f|25||"},
+			name: "targets: only those with something set, and who changed them", file: "targets.sql", lines: 2,
+			setup: `INSERT INTO target_control (target_topic) VALUES ('idle.retry')`,
+			want:  []string{"audit.retry|t||seeded pause|", "|postgres|", "bulk.retry|f|25||"},
 		},
 		{
 			name: "limit a new target", file: "limit_target.sql", vars: map[string]string{"target": "orders.retry", "rate": "0.5"}, lines: 1,
@@ -234,6 +264,14 @@ func TestRunbook(t *testing.T) {
 		{
 			name: "limit a paused target keeps the pause", file: "limit_target.sql", vars: map[string]string{"target": "audit.retry", "rate": "100"}, lines: 1,
 			want: []string{"audit.retry|t|100|seeded pause|"},
+		},
+		{
+			name: "history of a target's controls, not of its tokens", file: "limit_target.sql", vars: map[string]string{"target": "bulk.retry", "rate": "5"}, lines: 1,
+			setup: `UPDATE target_control SET tokens = 3, refilled_at = now() WHERE target_topic = 'bulk.retry';
+			        UPDATE target_control SET note = note WHERE target_topic = 'bulk.retry'`,
+			want: []string{"bulk.retry|f|5||", "|postgres|"},
+			check: `SELECT array_agg(change || ':' || rate_limit ORDER BY id) = '{insert:25,update:5}'
+			        FROM target_control_history WHERE target_topic = 'bulk.retry'`,
 		},
 		{
 			name: "unlimit", file: "unlimit_target.sql", vars: map[string]string{"target": "bulk.retry"}, lines: 1,
@@ -259,9 +297,14 @@ func TestRunbook(t *testing.T) {
 			check: `SELECT NOT paused AND rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`,
 		},
 		{
-			name: "pause without a note", file: "pause_target.sql", vars: map[string]string{"target": "audit.retry", "note": ""}, lines: 1,
-			want:  []string{"audit.retry|t|||"},
-			check: `SELECT paused AND note IS NULL FROM target_control WHERE target_topic = 'audit.retry'`,
+			name: "pause again without a note keeps the note", file: "pause_target.sql", vars: map[string]string{"target": "audit.retry", "note": ""}, lines: 1,
+			want:  []string{"audit.retry|t||seeded pause|"},
+			check: `SELECT paused AND note = 'seeded pause' FROM target_control WHERE target_topic = 'audit.retry'`,
+		},
+		{
+			name: "pause a new target without a note", file: "pause_target.sql", vars: map[string]string{"target": "new.retry", "note": ""}, lines: 1,
+			want:  []string{"new.retry|t|||"},
+			check: `SELECT paused AND note IS NULL FROM target_control WHERE target_topic = 'new.retry'`,
 		},
 		{
 			name: "keys in flight, oldest first", file: "inflight.sql", setup: inflightSeed, lines: 4,
@@ -306,6 +349,65 @@ func TestRunbook(t *testing.T) {
 		{
 			name: "rejected in the last day", file: "rejected_recent.sql", vars: map[string]string{"window": "1 day"}, lines: 2,
 			want: []string{"missing_target|2|"},
+		},
+		// The console's files (internal/console).
+		{
+			name: "console overview", file: "console_overview.sql", vars: map[string]string{"window": "5 minutes"}, lines: 5,
+			want: []string{"|0|0|0||0|0|2|f|||0|f\n", "orders.retry|5|2|2|", "payments.retry|1|0|0||0|2|0|f|||0|f\n",
+				"audit.retry|0|0|0||0|0|0|t|seeded pause||0|f\n", "bulk.retry|0|0|0||0|0|0|f||25|0|f\n"},
+		},
+		{
+			name: "console messages, parked, oldest first", file: "console_messages.sql", lines: 2,
+			vars: map[string]string{"state": "parked", "target": "payments.%", "reason": "", "error_class": "",
+				"since": "", "until": "", "sort": "oldest", "after_at": "", "after_id": "", "limit": "50"},
+			want: []string{"104|order-3|4|payments.retry|parked|", "|t\n105|order-4|", "|f\n"},
+		},
+		{
+			name: "console messages by reason code, newest first, after a cursor", file: "console_messages.sql", lines: 1,
+			vars: map[string]string{"state": "", "target": "", "reason": "missing_target", "error_class": "",
+				"since": "", "until": "", "sort": "newest", "after_at": "", "after_id": "108", "limit": "50"},
+			want: []string{"106||6||rejected|"},
+		},
+		{
+			name: "console messages by due time, one page", file: "console_messages.sql", lines: 2,
+			vars: map[string]string{"state": "pending", "target": "", "reason": "", "error_class": "",
+				"since": "", "until": "", "sort": "due", "after_at": "", "after_id": "", "limit": "2"},
+			want: []string{"101|order-1|", "109|held-1|"},
+		},
+		{
+			name: "key messages", file: "key_messages.sql", lines: 2,
+			setup: `INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at, state, reason)
+			        VALUES (130, 'order-3', 30, NULL, now(), 'rejected', 'missing_target: none')`,
+			vars: map[string]string{"key": "order-3", "after_seq": "", "after_id": "", "limit": "10"},
+			want: []string{"104|order-3|4|payments.retry|parked|", "|t|t\n130|order-3|30||rejected|", "|f|f\n"},
+		},
+		{
+			name: "key messages after a cursor", file: "key_messages.sql", lines: 1,
+			vars: map[string]string{"key": "order-1", "after_seq": "1", "after_id": "101", "limit": "10"},
+			want: []string{"102|order-1|2|orders.retry|pending|"},
+		},
+		{
+			name: "key state of a held key", file: "key_state.sql", vars: map[string]string{"key": "order-3"}, lines: 1,
+			want: []string{"order-3|104|t|0||f|||f|payments.retry|f||\n"},
+		},
+		{
+			name: "key state of a backing-off key", file: "key_state.sql", vars: map[string]string{"key": "held-1"}, lines: 1,
+			want: []string{"held-1|109|f|3|", "|t||"},
+		},
+		{
+			name: "key state of nothing", file: "key_state.sql", vars: map[string]string{"key": "nobody"}, lines: 0,
+		},
+		{
+			name: "fix rejected records", file: "fix_rejected.sql", lines: 1,
+			vars:  map[string]string{"ids": "106,107,108,101", "target": "", "due": ""},
+			want:  []string{"107||7|orders.retry|pending|", "|0||1\n"}, // 106 and 108 have no target, 101 is not rejected
+			check: `SELECT (SELECT state FROM deferred_message WHERE id = 106) = 'rejected'`,
+		},
+		{
+			name: "fix rejected records with a target and a due time", file: "fix_rejected.sql", lines: 2,
+			vars:  map[string]string{"ids": "106,108", "target": "orders.retry", "due": "2030-01-01T00:00:00Z"},
+			want:  []string{"106||6|orders.retry|pending|2030-01-01", "108||8|orders.retry|pending|"},
+			check: `SELECT count(*) = 2 FROM deferred_message WHERE id IN (106, 108) AND state = 'pending' AND reason IS NULL AND redrive_count = 1`,
 		},
 	}
 

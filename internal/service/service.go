@@ -30,6 +30,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/batchproducer"
 	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/console"
 	"github.com/deferq/scheduler/internal/defer/ingest"
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/dispatch"
@@ -60,7 +61,10 @@ type Service struct {
 	http     *http.Server
 	listener net.Listener
 	// pprof serves net/http/pprof on PPROF_ADDR; nil when it is unset.
-	pprof    *http.Server
+	pprof *http.Server
+	// console serves the operator console on CONSOLE_ADDR; nil when it
+	// is unset.
+	console  *console.Server
 	registry *prometheus.Registry
 	metrics  *metrics.Metrics
 	brokers  *brokerCheck
@@ -156,6 +160,11 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		s.pprof = &http.Server{Handler: pprofRoutes(), ReadHeaderTimeout: 5 * time.Second}
 		go s.pprof.Serve(l) // ends with Close in close()
 		logger.Info("serving pprof", "addr", l.Addr().String())
+	}
+	if cfg.ConsoleAddr != "" {
+		if err := s.startConsole(ctx); err != nil {
+			return nil, err
+		}
 	}
 	if err := s.connectKafka(ctx, brokers); err != nil {
 		return nil, err
@@ -358,13 +367,17 @@ func (s *Service) Run(ctx context.Context) error {
 	cancel()
 	wg.Wait()
 	stored, rejected, dups := s.ingester.Counts()
-	s.logger.Info("stopped", "stored", stored, "rejected", rejected, "parked", s.ingester.Parked(), "duplicates", dups)
+	// As the metrics count: stored are the valid rows, rejected ones apart.
+	s.logger.Info("stopped", "stored", stored-rejected, "rejected", rejected, "parked", s.ingester.Parked(), "duplicates", dups)
 	return err
 }
 
 func (s *Service) close() {
 	if s.pprof != nil {
 		s.pprof.Close()
+	}
+	if s.console != nil {
+		s.console.Close(time.Second)
 	}
 	if s.http != nil {
 		// After run's Shutdown this does nothing; after a failed start it
