@@ -6,8 +6,8 @@
 -- whatever their state, each marked when it is the key's head (the next to
 -- go, or the parked message holding the key: holds_key). Each state is read
 -- through the index that covers it (deferred_message_key_order,
--- deferred_message_rejected_key; parked messages that released their key
--- through deferred_message_not_pending).
+-- deferred_message_rejected_key, and deferred_message_released_key for
+-- parked messages that released their key).
 -- When: "what waits behind this one?", or everything of one order, account
 -- or device.
 -- Call:

@@ -131,6 +131,13 @@ CREATE INDEX deferred_message_key_order
 -- few.
 CREATE INDEX deferred_message_rejected_key ON deferred_message (business_key) WHERE state = 'rejected';
 
+-- The rest of a key's messages: parked ones that released their key. With
+-- the two above, every message of one key is found by index
+-- (runbook/key_messages.sql).
+CREATE INDEX deferred_message_released_key
+    ON deferred_message (business_key)
+    WHERE state = 'parked' AND NOT park_holds_key;
+
 -- Operators look at what is not flowing; those rows are few.
 CREATE INDEX deferred_message_not_pending
     ON deferred_message (state, target_topic) WHERE state <> 'pending';
