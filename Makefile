@@ -14,10 +14,11 @@ STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
 ## demo: run the whole pipeline on a throwaway Postgres and an in-process Kafka broker
 # (scripts/install-postgres.sh installs PostgreSQL's server binaries when they
-# are missing; with DATABASE_URL set the demo uses that server instead)
+# are missing; with DATABASE_URL set the demo uses that server instead;
+# DEMO_FLAGS='--console 127.0.0.1:8081' also serves the operator console)
 demo:
 	@[ -n "$$DATABASE_URL" ] || scripts/install-postgres.sh
-	$(GO) run ./cmd/demo
+	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 
 ## test: gofmt, go vet, staticcheck, and every test with the race detector (real Postgres, in-process broker, kcat)
 test: fmt-check vet lint

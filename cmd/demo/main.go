@@ -7,6 +7,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/base64"
 	"errors"
 	"flag"
 	"fmt"
@@ -27,6 +29,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/console"
 	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/service"
 )
@@ -46,6 +49,7 @@ func main() {
 func run(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
 	verbose := fs.Bool("v", false, "also print the service's own logs")
+	consoleAddr := fs.String("console", "", "also serve the operator console on this host:port (e.g. 127.0.0.1:8081) with a password made for this run, and keep running after the scenario until interrupted")
 	if done, code := cmdflag.Parse(fs, args, stdout, stderr, func(w io.Writer) {
 		fmt.Fprint(w, `Usage: demo [flags]   (make demo)
 
@@ -56,12 +60,15 @@ schema of its own, dropped at the end), and an in-process Kafka broker.
 A scripted scenario shows messages deferred, held, republished in per-key
 order, one expedited with SQL, and one bad record rejected with its reason.
 It ends by itself (about 15 seconds) and removes what it created.
+With --console ADDR it also serves the operator console there (user demo,
+a password printed at the start, made for this run) and keeps running after
+the scenario, so that you can look around, until Ctrl-C.
 
 `)
 	}); done {
 		return code
 	}
-	d := &demo{out: stdout}
+	d := &demo{out: stdout, consoleAddr: *consoleAddr}
 	if err := d.run(ctx, environ, *verbose, stderr); err != nil {
 		fmt.Fprintf(stderr, "demo: %v\n", err)
 		return 1
@@ -72,6 +79,28 @@ It ends by itself (about 15 seconds) and removes what it created.
 type demo struct {
 	out   io.Writer
 	start time.Time
+	// consoleAddr, when set, is where the console is served; the demo then
+	// waits to be interrupted after its scenario.
+	consoleAddr string
+}
+
+// consoleEnv returns the settings that serve the console at d.consoleAddr
+// for a user demo with a password made now, and that password. There is
+// no default password: each run makes its own.
+func (d *demo) consoleEnv() ([]string, string, error) {
+	if d.consoleAddr == "" {
+		return nil, "", nil
+	}
+	b := make([]byte, 12)
+	if _, err := rand.Read(b); err != nil {
+		return nil, "", fmt.Errorf("make the console's password: %w", err)
+	}
+	password := base64.RawURLEncoding.EncodeToString(b)
+	hash, err := console.HashPassword(password)
+	if err != nil {
+		return nil, "", err
+	}
+	return []string{"CONSOLE_ADDR=" + d.consoleAddr, "CONSOLE_USERS=demo:operator:" + hash}, password, nil
 }
 
 func (d *demo) say(format string, args ...any) {
@@ -122,10 +151,14 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	addr := broker.ListenAddrs()[0]
 	d.say("in-process Kafka broker on %s with topics scheduler.defer and %s", addr, demoTarget)
 
-	cfg, err := config.Load(append(environ,
+	consoleEnv, password, err := d.consoleEnv()
+	if err != nil {
+		return err
+	}
+	cfg, err := config.Load(append(append(environ,
 		"DATABASE_URL="+dbURL, "KAFKA_BROKERS="+addr, "TARGET_TOPICS=payments.*",
 		"HTTP_ADDR=127.0.0.1:0", "CONSUMER_GROUP=demo-scheduler", "POLL_INTERVAL=200ms",
-		"DISPATCH_LOOPS=2", "DISPATCH_WORKERS=2"))
+		"DISPATCH_LOOPS=2", "DISPATCH_WORKERS=2"), consoleEnv...))
 	if err != nil {
 		return err
 	}
@@ -147,7 +180,18 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	d.say("migrated the database; scheduler running (TARGET_TOPICS=payments.*)")
 	svcDone := make(chan error, 1)
 	go func() { svcDone <- svc.Run(svcCtx) }()
+	if d.consoleAddr != "" {
+		d.say("operator console: http://%s (user demo, password %s)", d.consoleAddr, password)
+	}
 	scenarioErr := d.scenario(ctx, pool, addr)
+	if scenarioErr == nil && d.consoleAddr != "" {
+		d.say("scenario done; the console stays at http://%s until Ctrl-C", d.consoleAddr)
+		select {
+		case <-ctx.Done():
+		case err := <-svcDone:
+			return fmt.Errorf("the scheduler stopped: %w", err)
+		}
+	}
 	stopSvc()
 	if err := errors.Join(scenarioErr, <-svcDone); err != nil {
 		return err
