@@ -305,7 +305,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		"expedite_id.sql":     {"ids": "0"},
 		"expedite_key.sql":    {"key": "no-such-key"},
 		"expedite_target.sql": {"target": "no.such.retry"},
-		"held_keys.sql":       nil,
+		"held_keys.sql":       {"limit": ""},
 		"history.sql":         {"id": poison},
 		"inflight.sql":        {"group": "", "key": "", "limit": "10"},
 		"limit_target.sql":    {"target": targetTopic, "rate": "50"},
@@ -331,6 +331,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		"since": "", "until": "", "sort": "due", "after_at": "", "after_id": "", "limit": "50"}
 	runbookVars["key_messages.sql"] = map[string]string{"key": "no-such-key", "after_seq": "", "after_id": "", "limit": "50"}
 	runbookVars["key_state.sql"] = map[string]string{"key": "no-such-key"}
+	runbookVars["ingest_progress.sql"] = map[string]string{"topic": "scheduler.defer"}
 	runbookVars["fix_rejected.sql"] = map[string]string{"ids": "0", "target": targetTopic, "due": ""}
 	for _, name := range runbook.Names() {
 		vars, ok := runbookVars[name]

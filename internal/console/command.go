@@ -11,12 +11,15 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/keygate"
 )
 
 // FromConfig is the console's Config as the service's configuration sets
@@ -24,7 +27,7 @@ import (
 func FromConfig(c *config.Config) Config {
 	return Config{Users: c.ConsoleUserList(), SessionKey: c.ConsoleKey(), SessionTTL: c.ConsoleSessionTTL,
 		CookieSecure: c.ConsoleCookieSecure, PayloadPreview: c.ConsolePayloadPreview,
-		TargetAllowed: c.Targets().Allows, TargetTopics: c.TargetTopics}
+		TargetAllowed: c.Targets().Allows, TargetTopics: c.TargetTopics, DeferTopic: c.DeferTopic}
 }
 
 // OpenPool connects to the console's database (CONSOLE_DATABASE_URL, else
@@ -59,12 +62,16 @@ type Server struct {
 
 // Start opens the console's pool, listens on addr and serves the console
 // until Close.
-func Start(ctx context.Context, c *config.Config, addr string, logger *slog.Logger) (*Server, error) {
+// highWaterMarks, if not nil, reads the defer topic's high-water marks,
+// for the overview's ingest lag.
+func Start(ctx context.Context, c *config.Config, addr string, highWaterMarks func() (map[int32]int64, error), logger *slog.Logger) (*Server, error) {
 	pool, err := OpenPool(ctx, c.ConsoleDB())
 	if err != nil {
 		return nil, err
 	}
-	h, err := New(FromConfig(c), pool, logger)
+	cfg := FromConfig(c)
+	cfg.HighWaterMarks = highWaterMarks
+	h, err := New(cfg, pool, logger)
 	if err != nil {
 		pool.Close()
 		return nil, err
@@ -116,7 +123,8 @@ everything) or operator (may also act), hash as "scheduler console
 hash-password" prints it. With no user it serves only a page saying how to
 configure access. Set CONSOLE_SESSION_KEY (64 hex digits) so that logins
 survive restarts. CONSOLE_PAYLOAD_PREVIEW=false hides payloads and header
-values. See docs/console.md, and "scheduler run --help" for every variable.
+values. With KAFKA_BROKERS set (and DEFER_TOPIC, default scheduler.defer),
+the overview also shows how many records wait to be ingested. See docs/console.md, and "scheduler run --help" for every variable.
 
 hash-password reads a password from the first line of standard input and
 prints its hash (PBKDF2-SHA256, 600000 rounds, random salt):
@@ -160,10 +168,17 @@ func Command(ctx context.Context, args, environ []string, stdin io.Reader, stdou
 		return 2
 	}
 	logger := cfg.Logger(stderr)
-	srv, err := Start(ctx, &cfg, listen, logger)
+	marks := &kafkaMarks{topic: cfg.DeferTopic}
+	srv, err := Start(ctx, &cfg, listen, marks.get, logger)
 	if err != nil {
 		fmt.Fprintf(stderr, "scheduler console: %v\n", err)
 		return 1
+	}
+	if len(cfg.KafkaBrokers) > 0 {
+		// In the background: a broker that does not answer must not keep
+		// the console from serving what the database knows.
+		go marks.connect(ctx, &cfg, logger)
+		defer marks.close()
 	}
 	fmt.Fprintf(stdout, "console: http://%s/\n", srv.Addr())
 	<-ctx.Done()
@@ -195,4 +210,41 @@ func hashPasswordCommand(args []string, stdin io.Reader, stdout, stderr io.Write
 	}
 	fmt.Fprintln(stdout, h)
 	return 0
+}
+
+// kafkaMarks reads the defer topic's high-water marks for the standalone
+// console, once it has connected to KAFKA_BROKERS.
+type kafkaMarks struct {
+	topic  string
+	client atomic.Pointer[sarama.Client]
+}
+
+func (k *kafkaMarks) connect(ctx context.Context, c *config.Config, logger *slog.Logger) {
+	sc, err := c.Kafka().Config()
+	if err == nil {
+		var client sarama.Client
+		if client, err = sarama.NewClient(c.KafkaBrokers, sc); err == nil {
+			if ctx.Err() != nil {
+				client.Close()
+				return
+			}
+			k.client.Store(&client)
+			return
+		}
+	}
+	logger.Warn("console: cannot connect to KAFKA_BROKERS; the overview shows ingest's progress without its lag", "error", err)
+}
+
+func (k *kafkaMarks) get() (map[int32]int64, error) {
+	p := k.client.Load()
+	if p == nil {
+		return nil, errors.New("not connected to Kafka (scheduler console reads the lag only with KAFKA_BROKERS set and reachable)")
+	}
+	return keygate.KafkaOffsets{Client: *p}.HighWaterMarks(k.topic)
+}
+
+func (k *kafkaMarks) close() {
+	if p := k.client.Load(); p != nil {
+		(*p).Close()
+	}
 }

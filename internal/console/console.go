@@ -68,6 +68,14 @@ type Config struct {
 	// OverviewEvery is the least time between two counts of the overview,
 	// whoever asks; 0: 10s.
 	OverviewEvery time.Duration
+	// DeferTopic is DEFER_TOPIC, whose ingest progress the overview shows;
+	// empty: scheduler.defer.
+	DeferTopic string
+	// HighWaterMarks returns the defer topic's high-water marks, from which
+	// the overview computes how far ingest is behind. Nil: the overview
+	// shows how far ingest has stored and when it last moved, and says
+	// that the lag is unknown without Kafka.
+	HighWaterMarks func() (map[int32]int64, error)
 }
 
 // HashPassword returns the hash of password that CONSOLE_USERS takes, as
@@ -118,6 +126,9 @@ func New(cfg Config, pool *pgxpool.Pool, logger *slog.Logger) (http.Handler, err
 	if cfg.OverviewEvery <= 0 {
 		cfg.OverviewEvery = 10 * time.Second
 	}
+	if cfg.DeferTopic == "" {
+		cfg.DeferTopic = "scheduler.defer" // DEFER_TOPIC's default
+	}
 	s := &server{cfg: cfg, pool: pool, logger: logger, users: map[string]access.User{}}
 	for _, u := range cfg.Users {
 		if u.Role != access.Viewer && u.Role != access.Operator {
@@ -167,6 +178,10 @@ func New(cfg Config, pool *pgxpool.Pool, logger *slog.Logger) (http.Handler, err
 func (s *server) routes() http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle("GET /static/", s.static)
+	// Browsers ask for /favicon.ico whatever the page's link says.
+	mux.HandleFunc("GET /favicon.ico", func(w http.ResponseWriter, r *http.Request) {
+		http.Redirect(w, r, "/static/favicon.svg", http.StatusMovedPermanently)
+	})
 	mux.HandleFunc("GET /login", s.loginPage)
 	mux.HandleFunc("POST /login", s.login)
 	mux.HandleFunc("POST /logout", s.authed(s.logout))

@@ -59,6 +59,80 @@ type overviewData struct {
 	Attention []attention          `json:"attention"`
 	// Every is how often the counts are refreshed at most.
 	Every string `json:"refreshed_every"`
+	// Ingest is how far ingest has stored each partition of the defer
+	// topic, and how far behind it is when Kafka could be asked.
+	Ingest []ingestRow `json:"ingest"`
+	// IngestNote says why the lag is unknown, when it is.
+	IngestNote string `json:"ingest_note,omitempty"`
+}
+
+// ingestRow is a row of ingest_progress.sql, with the partition's
+// high-water mark and the lag when Kafka answered.
+type ingestRow struct {
+	Partition   int32     `db:"partition" json:"partition"`
+	NextOffset  int64     `db:"next_offset" json:"next_offset"`
+	UpdatedAt   time.Time `db:"updated_at" json:"updated_at"`
+	IdleSeconds float64   `db:"idle_seconds" json:"idle_seconds"`
+	Epoch       int32     `db:"epoch" json:"epoch"`
+	HighWater   *int64    `db:"-" json:"high_water"`
+	Lag         *int64    `db:"-" json:"lag"`
+}
+
+// ingestStuckAfter is how long a partition with records to ingest may keep
+// its position before the overview calls it stuck.
+const ingestStuckAfter = time.Minute
+
+// highWaterWait bounds asking Kafka for the overview: a broker that does
+// not answer must not hold the page.
+const highWaterWait = 3 * time.Second
+
+// readHighWater asks s.cfg.HighWaterMarks, within highWaterWait.
+func (s *server) readHighWater() (map[int32]int64, error) {
+	if s.cfg.HighWaterMarks == nil {
+		return nil, errors.New("Kafka is not known here")
+	}
+	type answer struct {
+		marks map[int32]int64
+		err   error
+	}
+	ch := make(chan answer, 1)
+	go func() {
+		m, err := s.cfg.HighWaterMarks()
+		ch <- answer{m, err}
+	}()
+	select {
+	case a := <-ch:
+		return a.marks, a.err
+	case <-time.After(highWaterWait):
+		return nil, fmt.Errorf("Kafka did not answer within %s", highWaterWait)
+	}
+}
+
+// addLag fills in each partition's high-water mark and lag, or says why it
+// cannot.
+func (s *server) addLag(d *overviewData) {
+	marks, err := s.readHighWater()
+	if err != nil {
+		d.IngestNote = "How far ingest is behind is unknown: " + err.Error() + "."
+		return
+	}
+	seen := map[int32]bool{}
+	for i := range d.Ingest {
+		r := &d.Ingest[i]
+		seen[r.Partition] = true
+		if hw, ok := marks[r.Partition]; ok {
+			lag := max(hw-r.NextOffset, 0)
+			r.HighWater, r.Lag = &hw, &lag
+		}
+	}
+	// A partition ingest has never stored from: all of it waits.
+	for p, hw := range marks {
+		if !seen[p] && hw > 0 {
+			lag := hw
+			d.Ingest = append(d.Ingest, ingestRow{Partition: p, HighWater: &hw, Lag: &lag, IdleSeconds: -1})
+		}
+	}
+	slices.SortFunc(d.Ingest, func(a, b ingestRow) int { return cmp.Compare(a.Partition, b.Partition) })
 }
 
 // attention is one thing that needs a look, with a link to it.
@@ -82,16 +156,21 @@ func (s *server) getOverview(ctx context.Context) (*overviewData, error) {
 		if d.Targets, err = operate.Rows[overviewRow](ctx, tx, "console_overview.sql", map[string]string{"window": overviewWindow}); err != nil {
 			return err
 		}
-		held, err := operate.Rows[operate.HeldKeyRow](ctx, tx, "held_keys.sql", nil)
-		if err != nil {
+		if d.Held, err = operate.Rows[operate.HeldKeyRow](ctx, tx, "held_keys.sql", map[string]string{"limit": strconv.Itoa(heldShown)}); err != nil {
 			return err
 		}
-		d.HeldTotal, d.Held = len(held), held[:min(len(held), heldShown)]
+		if len(d.Held) > 0 {
+			d.HeldTotal = int(d.Held[0].HeldTotal)
+		}
+		if d.Ingest, err = operate.Rows[ingestRow](ctx, tx, "ingest_progress.sql", map[string]string{"topic": s.cfg.DeferTopic}); err != nil {
+			return err
+		}
 		return tx.QueryRow(ctx, "SELECT now()").Scan(&d.At)
 	})
 	if err != nil {
 		return nil, err
 	}
+	s.addLag(d)
 	d.At = time.Now()
 	d.Attention = needsAttention(d)
 	s.overview = d
@@ -111,6 +190,17 @@ func needsAttention(d *overviewData) []attention {
 				"/messages?state=pending&sort=due&target=" + url.QueryEscape(globQuote(deref(t.TargetTopic)))})
 		}
 	}
+	for _, r := range d.Ingest {
+		if r.Lag == nil || *r.Lag == 0 {
+			continue
+		}
+		if r.IdleSeconds < 0 {
+			out = append(out, attention{fmt.Sprintf("ingest has stored nothing of partition %d: %d record(s) wait", r.Partition, *r.Lag), "#ingest"})
+		} else if r.IdleSeconds > ingestStuckAfter.Seconds() {
+			out = append(out, attention{fmt.Sprintf("ingest is not moving on partition %d: %d record(s) wait, position unchanged for %s",
+				r.Partition, *r.Lag, humanSeconds(r.IdleSeconds)), "#ingest"})
+		}
+	}
 	parkedHeld := 0
 	for _, h := range d.Held {
 		if h.Kind == operate.HeldParked {
@@ -118,7 +208,13 @@ func needsAttention(d *overviewData) []attention {
 		}
 	}
 	if parkedHeld > 0 {
-		out = append(out, attention{fmt.Sprintf("%d business key(s) held by a parked message: what follows them waits", parkedHeld), "/parked"})
+		// Parked heads come first: when all the keys shown are parked and
+		// more are held, there may be more parked ones.
+		count := strconv.Itoa(parkedHeld)
+		if parkedHeld == len(d.Held) && d.HeldTotal > len(d.Held) {
+			count = "at least " + count
+		}
+		out = append(out, attention{count + " business key(s) held by a parked message: what follows them waits", "/parked"})
 	}
 	for _, t := range d.Targets {
 		if t.Parked > 0 {

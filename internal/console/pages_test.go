@@ -13,9 +13,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/IBM/sarama"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/kafkatest"
+	"github.com/deferq/scheduler/internal/keygate"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -370,4 +373,97 @@ func TestOverviewEstimatesLargeTables(t *testing.T) {
 		t.Errorf("targets missing from the overview: %v", want)
 	}
 	mustHave(t, "page", c.get("/"), 200, "estimated from a sample")
+}
+
+// TestOverviewIngest: the overview shows how far ingest has stored each
+// partition of the defer topic and, with Kafka's high-water marks, how many
+// records wait; a partition that has records waiting and has not moved for
+// minutes needs attention. Without Kafka it says the lag is unknown.
+func TestOverviewIngest(t *testing.T) {
+	db := pgtest.NewDB(t)
+	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{"scheduler.defer"}, Partitions: 2})
+	sc := sarama.NewConfig()
+	sc.Producer.Return.Successes = true
+	sc.Producer.Partitioner = sarama.NewManualPartitioner
+	client, err := sarama.NewClient([]string{addr}, sc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { client.Close() })
+	producer, err := sarama.NewSyncProducerFromClient(client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		if _, _, err := producer.SendMessage(&sarama.ProducerMessage{Topic: "scheduler.defer", Partition: 0, Value: sarama.StringEncoder("x")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Where ingest stopped: two records of partition 0 stored, ten minutes
+	// ago; partition 1 is empty.
+	if _, err := db.Pool.Exec(t.Context(), `INSERT INTO ingest_offset (topic, partition, next_offset, updated_at)
+		VALUES ('scheduler.defer', 0, 2, now() - interval '10 minutes'), ('scheduler.defer', 1, 0, now())`); err != nil {
+		t.Fatal(err)
+	}
+	type ingest struct {
+		Partition int32  `json:"partition"`
+		Next      int64  `json:"next_offset"`
+		Lag       *int64 `json:"lag"`
+	}
+	read := func(cfg Config) (d struct {
+		Ingest    []ingest `json:"ingest"`
+		Note      string   `json:"ingest_note"`
+		Attention []struct {
+			Text string `json:"text"`
+		} `json:"attention"`
+	}) {
+		r := login(t, serve(t, cfg, db.Pool), "victor").get("/api/overview")
+		mustHave(t, "json", r, 200)
+		if err := json.Unmarshal([]byte(r.body), &d); err != nil {
+			t.Fatalf("%v\n%s", err, r.body)
+		}
+		return d
+	}
+
+	cfg := testConfig(t)
+	cfg.HighWaterMarks = func() (map[int32]int64, error) {
+		return keygate.KafkaOffsets{Client: client}.HighWaterMarks("scheduler.defer")
+	}
+	d := read(cfg)
+	got := fmt.Sprint(len(d.Ingest))
+	for _, r := range d.Ingest {
+		lag := "none"
+		if r.Lag != nil {
+			lag = strconv.FormatInt(*r.Lag, 10)
+		}
+		got += fmt.Sprintf(" p%d next %d lag %s", r.Partition, r.Next, lag)
+	}
+	if want := "2 p0 next 2 lag 3 p1 next 0 lag 0"; got != want || d.Note != "" {
+		t.Errorf("ingest %q, note %q; want %q and no note", got, d.Note, want)
+	}
+	var stuck bool
+	for _, a := range d.Attention {
+		stuck = stuck || strings.Contains(a.Text, "ingest is not moving on partition 0: 3 record(s) wait")
+	}
+	if !stuck {
+		t.Errorf("attention does not name the stuck partition: %+v", d.Attention)
+	}
+
+	d = read(testConfig(t)) // no Kafka
+	if len(d.Ingest) != 2 || d.Ingest[0].Lag != nil || !strings.Contains(d.Note, "unknown") {
+		t.Errorf("without Kafka: ingest %+v, note %q; want positions, no lag, a note", d.Ingest, d.Note)
+	}
+}
+
+// TestFavicon: the icon browsers ask for on every page exists, so that no
+// page logs a 404.
+func TestFavicon(t *testing.T) {
+	db := pgtest.NewDB(t)
+	c := newClient(t, serve(t, testConfig(t), db.Pool))
+	if r := c.get("/favicon.ico"); r.code != http.StatusMovedPermanently || r.header.Get("Location") != "/static/favicon.svg" {
+		t.Errorf("/favicon.ico: %d to %q; want 301 to /static/favicon.svg", r.code, r.header.Get("Location"))
+	}
+	if r := c.get("/static/favicon.svg"); r.code != http.StatusOK || !strings.Contains(r.header.Get("Content-Type"), "image/svg+xml") {
+		t.Errorf("/static/favicon.svg: %d, %q", r.code, r.header.Get("Content-Type"))
+	}
 }

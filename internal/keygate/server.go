@@ -634,3 +634,14 @@ func (k KafkaOffsets) LogStart(topic string, partition int32) (int64, error) {
 	}
 	return start, nil
 }
+
+// HighWaterMarks returns the defer topic's high-water marks through the
+// server's view of Kafka, for others that show how far ingest is behind
+// (the console). Before the scheduler has connected to Kafka it says so.
+func (s *Server) HighWaterMarks() (map[int32]int64, error) {
+	p := s.offsets.Load()
+	if p == nil {
+		return nil, errors.New("not connected to Kafka yet")
+	}
+	return (*p).HighWaterMarks(s.cfg.Topic)
+}

@@ -75,6 +75,8 @@ type HeldKeyRow struct {
 	Reason     *string    `db:"reason" json:"reason"`       // the parked head's
 	ParkedAt   *time.Time `db:"parked_at" json:"parked_at"` // the parked head's
 	Waiting    int64      `db:"waiting" json:"waiting"`     // pending messages of the key behind the head
+	// HeldTotal is how many keys are held in all, whatever the limit.
+	HeldTotal int64 `db:"held_total" json:"-"`
 }
 
 // RejectedRow is a row of rejected_recent.sql.

@@ -137,7 +137,7 @@ func readStatus(ctx context.Context, q operate.Queryer) (statusReport, error) {
 	s.DueMessages = d.DueMessages
 	s.Waiting = dueWaits{Paused: d.WaitingPaused, Parked: d.WaitingParked, InFlight: d.WaitingInFlight, Behind: d.WaitingBehind,
 		RateLimited: d.WaitingRateLimited, BackingOff: d.WaitingBackingOff, Leased: d.WaitingLeased}
-	held, err := operate.Rows[operate.HeldKeyRow](ctx, q, "held_keys.sql", nil)
+	held, err := operate.Rows[operate.HeldKeyRow](ctx, q, "held_keys.sql", map[string]string{"limit": ""})
 	if err != nil {
 		return s, err
 	}

@@ -40,7 +40,7 @@ func cmdHeld(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 		return o.exit(usagef("unexpected argument %q", pos[0]))
 	}
 	// printHeld says itself when no key is held.
-	_, code, _ = showRunbook(ctx, o, environ, "held_keys.sql", nil, "", func(w io.Writer, rows []operate.HeldKeyRow) {
+	_, code, _ = showRunbook(ctx, o, environ, "held_keys.sql", map[string]string{"limit": ""}, "", func(w io.Writer, rows []operate.HeldKeyRow) {
 		printHeld(w, rows, time.Now())
 	})
 	return code

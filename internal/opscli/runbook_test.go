@@ -72,7 +72,7 @@ func TestRunbook(t *testing.T) {
 			check: `SELECT due_messages >= 3 AND waiting_behind = 1 AND waiting_paused = 1 FROM (` + oldestDueQuery + `) o`,
 		},
 		{
-			name: "held keys", file: "held_keys.sql", lines: 3,
+			name: "held keys", file: "held_keys.sql", lines: 3, vars: map[string]string{"limit": ""},
 			want: []string{
 				// The parked head first; its due time is empty, not infinity.
 				"order-3|parked|held by parked message 104|0|||104|4|payments.retry||1||unknown_topic: no such topic|",
@@ -82,11 +82,16 @@ func TestRunbook(t *testing.T) {
 			wantNot: []string{"order-4|"}, // 105 released its key
 		},
 		{
-			name: "held keys count what waits", file: "held_keys.sql", lines: 3,
+			name: "held keys count what waits", file: "held_keys.sql", lines: 3, vars: map[string]string{"limit": ""},
 			setup: `INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at) VALUES
 			        (120, 'order-3', 20, 'payments.retry', now()), (121, 'order-3', 21, 'payments.retry', now() + interval '1 day'),
 			        (122, 'held-1', 22, 'orders.retry', now())`,
 			want: []string{"|payments.retry||1||unknown_topic: no such topic|", "|2\n", "|1\n", "|0\n"},
+		},
+		{
+			// The first of three, with the total.
+			name: "held keys, the first", file: "held_keys.sql", lines: 1, vars: map[string]string{"limit": "1"},
+			want: []string{"order-3|parked|held by parked message 104|", "|3|0\n"},
 		},
 		{
 			// The row, 5 headers, 1 re-deferral, 2 history rows (101's and 102's).
@@ -373,6 +378,12 @@ func TestRunbook(t *testing.T) {
 			vars: map[string]string{"state": "pending", "target": "", "reason": "", "error_class": "",
 				"since": "", "until": "", "sort": "due", "after_at": "", "after_id": "", "limit": "2"},
 			want: []string{"101|order-1|", "109|held-1|"},
+		},
+		{
+			name: "ingest progress", file: "ingest_progress.sql", lines: 2, vars: map[string]string{"topic": "scheduler.defer"},
+			setup: `INSERT INTO ingest_offset (topic, partition, next_offset) VALUES
+			        ('scheduler.defer', 1, 42), ('scheduler.defer', 0, 7), ('other.topic', 0, 99)`,
+			want: []string{"0|7|", "1|42|"},
 		},
 		{
 			name: "key messages", file: "key_messages.sql", lines: 2,

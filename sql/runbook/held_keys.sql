@@ -25,38 +25,50 @@
 -- parked head: it never comes due), attempt and error class, and how many
 -- pending messages of the key wait behind it. Unordered messages appear with
 -- an empty business_key (never as parked: they hold no key). Parked heads
--- first, oldest first. It reads all of deferred_key. `scheduler held` runs
--- this file; `scheduler status` counts it.
+-- first, oldest first; at most :'limit' rows (empty: all of them), and in
+-- each row held_total, how many keys are held in all. It reads all of
+-- deferred_key; the waiting count is made for the rows returned only (one
+-- index probe each), so a page of the first few is fast however many keys
+-- are held. `scheduler held` runs this file; `scheduler status` counts it;
+-- the console's overview shows the first rows.
 -- When: oldest_due.sql shows lateness, or one business key is not moving.
 -- Call:
---   psql "$DATABASE_URL" -f sql/runbook/held_keys.sql
-SELECT k.business_key,
-       CASE WHEN k.held THEN 'parked'
-            WHEN k.failures > 0 THEN 'backing_off'
-            WHEN k.leased_by = 'in-flight' THEN 'in_flight'
-            ELSE 'leased'
-       END AS kind,
-       CASE WHEN k.held THEN 'held by parked message ' || k.head_id
-            WHEN k.failures > 0 THEN 'backing off after ' || k.failures || ' failed publish(es)'
-            WHEN k.leased_by = 'in-flight' THEN 'waiting for its consumer group to commit past the republished record'
-            ELSE 'leased by ' || coalesce(k.leased_by, 'no one')
-       END AS why,
-       k.failures,
-       CASE WHEN k.leased_until < 'infinity' THEN k.leased_until END AS leased_until,
-       k.leased_by,
-       k.head_id,
-       m.seq AS head_seq,
-       m.target_topic,
-       -- A held head's next_run_at is 'infinity', which means "never", and
-       -- which many clients cannot represent.
-       CASE WHEN NOT k.held THEN k.next_run_at END AS next_run_at,
-       m.attempt,
-       m.error_class,
-       CASE WHEN k.held THEN m.reason END AS reason,
-       CASE WHEN k.held THEN m.parked_at END AS parked_at,
+--   psql "$DATABASE_URL" -v limit= -f sql/runbook/held_keys.sql
+SELECT h.business_key, h.kind, h.why, h.failures, h.leased_until, h.leased_by, h.head_id, h.head_seq,
+       h.target_topic, h.next_run_at, h.attempt, h.error_class, h.reason, h.parked_at, h.held_total,
        (SELECT count(*) FROM deferred_message w
-        WHERE w.business_key = k.business_key AND w.state = 'pending' AND w.id <> k.head_id) AS waiting
-FROM deferred_key k
-LEFT JOIN deferred_message m ON m.id = k.head_id
-WHERE k.held OR k.failures > 0 OR k.leased_until > now()
-ORDER BY k.held DESC, m.parked_at, k.failures DESC, k.next_run_at, k.head_id;
+        WHERE w.business_key = h.business_key AND w.state = 'pending' AND w.id <> h.head_id) AS waiting
+FROM (
+    SELECT k.business_key,
+           CASE WHEN k.held THEN 'parked'
+                WHEN k.failures > 0 THEN 'backing_off'
+                WHEN k.leased_by = 'in-flight' THEN 'in_flight'
+                ELSE 'leased'
+           END AS kind,
+           CASE WHEN k.held THEN 'held by parked message ' || k.head_id
+                WHEN k.failures > 0 THEN 'backing off after ' || k.failures || ' failed publish(es)'
+                WHEN k.leased_by = 'in-flight' THEN 'waiting for its consumer group to commit past the republished record'
+                ELSE 'leased by ' || coalesce(k.leased_by, 'no one')
+           END AS why,
+           k.failures,
+           CASE WHEN k.leased_until < 'infinity' THEN k.leased_until END AS leased_until,
+           k.leased_by,
+           k.head_id,
+           m.seq AS head_seq,
+           m.target_topic,
+           -- A held head's next_run_at is 'infinity', which means "never",
+           -- and which many clients cannot represent.
+           CASE WHEN NOT k.held THEN k.next_run_at END AS next_run_at,
+           m.attempt,
+           m.error_class,
+           CASE WHEN k.held THEN m.reason END AS reason,
+           CASE WHEN k.held THEN m.parked_at END AS parked_at,
+           count(*) OVER () AS held_total,
+           row_number() OVER (ORDER BY k.held DESC, m.parked_at, k.failures DESC, k.next_run_at, k.head_id) AS place
+    FROM deferred_key k
+    LEFT JOIN deferred_message m ON m.id = k.head_id
+    WHERE k.held OR k.failures > 0 OR k.leased_until > now()
+    ORDER BY place
+    LIMIT nullif(:'limit', '')::bigint
+) h
+ORDER BY h.place;
