@@ -67,11 +67,14 @@ func TestSmokeRun(t *testing.T) {
 	if vals["release_early"] != 0 || vals["release_keys"] != float64(cfg.GateRelease) {
 		t.Errorf("release: %v of %v keys timed, %v free before their commit", vals["release_keys"], cfg.GateRelease, vals["release_early"])
 	}
+	if vals["console_rows"] != float64(cfg.ConsoleRows) || vals["console_worst_p95_ms"] <= 0 {
+		t.Errorf("console: %v rows, worst p95 %v ms; want %d rows and a measurement", vals["console_rows"], vals["console_worst_p95_ms"], cfg.ConsoleRows)
+	}
 	if vals["backlog_rows"] != float64(cfg.Backlog) {
 		t.Errorf("backlog_rows = %v, want %d", vals["backlog_rows"], cfg.Backlog)
 	}
 	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE",
-		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "machine:", "speed:", "database: PostgreSQL"} {
+		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "CONSOLE PAGES", "machine:", "speed:", "database: PostgreSQL"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
 		}
@@ -80,6 +83,72 @@ func TestSmokeRun(t *testing.T) {
 		"service_svc_own_0_dispatch.cpu.pprof", "service_svc_own_0_e2e.cpu.pprof"} {
 		if fi, err := os.Stat(filepath.Join(cfg.ProfileDir, name)); err != nil || fi.Size() == 0 {
 			t.Errorf("profile %s: %v (empty: %v)", name, err, err == nil)
+		}
+	}
+	if t.Failed() {
+		t.Logf("report:\n%s", report)
+	}
+}
+
+// The console scenario alone (BENCH_ONLY=console) at 20,000 messages: the
+// seed runs, every page answers 200 for a logged-in viewer (the next-page
+// link included), and the report has the table and a p95 per page. The
+// figures are not checked against the budget: make test must not depend on
+// the machine's speed (make bench reports them).
+func TestSmokeConsole(t *testing.T) {
+	cfg := modes["smoke"]
+	cfg.Only = onlyConsole
+	cfg.DatabaseURL = pgtest.AdminURL(t)
+	var out, progress bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	if err := run(ctx, cfg, &out, &progress); err != nil {
+		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
+	}
+	report := strings.TrimRight(out.String(), "\n")
+	lines := strings.Split(report, "\n")
+	vals, err := parseResult(lines[len(lines)-1])
+	if err != nil {
+		t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
+	}
+	if vals["console_rows"] != float64(cfg.ConsoleRows) {
+		t.Errorf("console_rows = %v, want %d", vals["console_rows"], cfg.ConsoleRows)
+	}
+	pages := []string{"overview", "overview_json", "messages", "messages_due", "messages_due_page2", "messages_newest",
+		"messages_target", "messages_state", "messages_reason", "messages_key", "messages_error_class", "messages_since",
+		"message", "key", "parked", "rejected", "targets"}
+	for _, p := range pages {
+		if v, ok := vals["console_"+p+"_p95_ms"]; !ok || v <= 0 {
+			t.Errorf("console_%s_p95_ms = %v (present %v), want a measurement", p, v, ok)
+		}
+		if !strings.Contains(report, "\n"+p+" ") {
+			t.Errorf("the report's table has no row for %s", p)
+		}
+	}
+	for _, k := range []string{"console_seed_s", "console_worst_p95_ms", "cpu_speed_start"} {
+		if vals[k] <= 0 {
+			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
+		}
+	}
+	// The seed has the production shape it claims: 5% parked, 1% rejected,
+	// keys with several messages, history beyond the live rows (each live
+	// message's events and two for each delivered one).
+	rows := vals["console_rows"]
+	if p := vals["console_parked"]; p < 0.04*rows || p > 0.06*rows {
+		t.Errorf("console_parked = %v of %v rows, want about 5%%", p, rows)
+	}
+	if r := vals["console_rejected"]; r < 0.005*rows || r > 0.015*rows {
+		t.Errorf("console_rejected = %v of %v rows, want about 1%%", r, rows)
+	}
+	if k := vals["console_keys"]; k <= 0 || k > 0.5*rows {
+		t.Errorf("console_keys = %v for %v rows, want several messages a key", k, rows)
+	}
+	if h := vals["console_history"]; h < 3*rows {
+		t.Errorf("console_history = %v for %v rows, want at least three events a message", h, rows)
+	}
+	for _, want := range []string{"CONSOLE PAGES", "machine:", "speed:", "history rows", "COMPARED WITH THE TARGETS"} {
+		if !strings.Contains(report, want) {
+			t.Errorf("report lacks %q", want)
 		}
 	}
 	if t.Failed() {
@@ -213,7 +282,9 @@ func TestConfigFromEnv(t *testing.T) {
 		{"bad switch", []string{"BENCH_QUICK=yes please"}, "", 0, "BENCH_QUICK"},
 		{"N too small", []string{"BENCH_N=10"}, "", 0, "BENCH_N"},
 		{"only the gate", []string{"BENCH_QUICK=1", "BENCH_ONLY=gate"}, "quick", 20_000, ""},
+		{"only the console", []string{"BENCH_ONLY=console", "BENCH_CONSOLE_ROWS=5000"}, "full", 100_000, ""},
 		{"only what", []string{"BENCH_ONLY=river"}, "", 0, "BENCH_ONLY"},
+		{"console rows too few", []string{"BENCH_CONSOLE_ROWS=10"}, "", 0, "BENCH_CONSOLE_ROWS"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg, err := configFromEnv(tc.environ)

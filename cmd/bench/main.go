@@ -26,7 +26,10 @@
 // BENCH_SMOKE=1 a tiny one that only checks the program works (the test runs
 // that). BENCH_ONLY=gate runs only the key gate scenario (gate.go: what
 // deferclient's gate costs a consumer, the key-state query's latency, how
-// soon a key flows again after its commit) and reports only its figures.
+// soon a key flows again after its commit) and reports only its figures;
+// BENCH_ONLY=console only the console scenario (console.go: the operator
+// console's pages against a production-shaped database of a million
+// messages, p50/p95/max each against a 250 ms p95 budget).
 // It uses DATABASE_URL's server when set (creating and dropping
 // databases of its own there), else a throwaway cluster from
 // internal/pglocal. See docs/benchmarks.md.
@@ -85,7 +88,11 @@ type config struct {
 	// produced meanwhile under load; GateRelease the keys whose release
 	// after commit is timed.
 	GateCalls, GateRate, GateRelease int
-	// Only names the one scenario to run ("gate"); "" runs them all.
+	// ConsoleRows is the number of messages the console scenario seeds;
+	// ConsoleRequests how many times it requests each page.
+	ConsoleRows, ConsoleRequests int
+	// Only names the one scenario to run ("gate" or "console"); "" runs them
+	// all.
 	Only string
 	// SpeedProbe is how long cpuSpeed runs at the start and at the end.
 	SpeedProbe time.Duration
@@ -105,26 +112,31 @@ type config struct {
 	ServiceLogs io.Writer
 }
 
-// onlyGate is BENCH_ONLY's one value: the key gate scenario alone.
-const onlyGate = "gate"
+// BENCH_ONLY's values: the key gate scenario alone, the console scenario
+// alone.
+const (
+	onlyGate    = "gate"
+	onlyConsole = "console"
+)
 
 // modes are the run sizes. Full is what docs/benchmarks.md records.
 var modes = map[string]config{
 	"full": {Mode: "full", N: 100_000, Warmup: 2_000, Backlog: 1_000_000,
 		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Large: 400, Partitions: 4,
-		GateCalls: 200, GateRate: 1_000, GateRelease: 200, SpeedProbe: time.Second},
+		GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 1_000_000, ConsoleRequests: 20, SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
 		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Large: 200, Partitions: 4,
-		GateCalls: 200, GateRate: 1_000, GateRelease: 200, SpeedProbe: time.Second},
+		GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 250_000, ConsoleRequests: 10, SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
 		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Large: 6, Partitions: 4,
-		GateCalls: 20, GateRate: 300, GateRelease: 20, SpeedProbe: 50 * time.Millisecond},
+		GateCalls: 20, GateRate: 300, GateRelease: 20, ConsoleRows: 20_000, ConsoleRequests: 2, SpeedProbe: 50 * time.Millisecond},
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when
 // neither is set) and reads DATABASE_URL, BENCH_SCHEDULER, BENCH_PROFILE_DIR,
-// BENCH_VERBOSE, BENCH_N (overrides the phase size) and BENCH_ONLY.
+// BENCH_VERBOSE, BENCH_N (overrides the phase size), BENCH_CONSOLE_ROWS
+// (overrides the console scenario's size) and BENCH_ONLY.
 func configFromEnv(environ []string) (config, error) {
 	env := map[string]string{}
 	for _, kv := range environ {
@@ -169,11 +181,18 @@ func configFromEnv(environ []string) (config, error) {
 		}
 		cfg.N = n
 	}
+	if v := env["BENCH_CONSOLE_ROWS"]; v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1000 {
+			return config{}, fmt.Errorf("BENCH_CONSOLE_ROWS=%q: want an integer >= 1000", v)
+		}
+		cfg.ConsoleRows = n
+	}
 	switch v := env["BENCH_ONLY"]; v {
-	case "", onlyGate:
+	case "", onlyGate, onlyConsole:
 		cfg.Only = v
 	default:
-		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q or nothing", v, onlyGate)
+		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q, %q or nothing", v, onlyGate, onlyConsole)
 	}
 	cfg.DatabaseURL = env["DATABASE_URL"]
 	cfg.SchedulerBin = env["BENCH_SCHEDULER"]

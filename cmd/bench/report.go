@@ -75,6 +75,7 @@ type results struct {
 	scenarios            []scenario // own/0 (with lateness), hot/0, single/0, own/backlog
 	large                largeResult
 	gate                 gateResult
+	console              consoleResult
 	ceiling              ceilingResult
 	broker               brokerResult
 	river                riverResult
@@ -130,8 +131,24 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 			ms(g.idle.p99), ms(g.busy.p99), ms(percentile(g.release, 0.99)))
 		return nil
 	}
-	if cfg.Only == onlyGate {
+	consolePages := func() error {
+		b.say("console: %d messages seeded, every page %d times", cfg.ConsoleRows, cfg.ConsoleRequests)
+		c, err := b.runConsole(ctx)
+		if err != nil {
+			return fmt.Errorf("console: %w", err)
+		}
+		res.console = c
+		return nil
+	}
+	switch cfg.Only {
+	case onlyGate:
 		if err := gate(); err != nil {
+			return err
+		}
+		finish()
+		return nil
+	case onlyConsole:
+		if err := consolePages(); err != nil {
 			return err
 		}
 		finish()
@@ -159,6 +176,9 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	b.say("  peak RSS %.1f MB", float64(res.large.hwm)/(1<<20))
 
 	if err := gate(); err != nil {
+		return err
+	}
+	if err := consolePages(); err != nil {
 		return err
 	}
 
@@ -297,6 +317,7 @@ var requiredKeys = []string{
 	"p99_lateness_ms", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb",
 	"delivered", "expected", "out_of_order",
 	"gate_on_vs_off", "gate_blocked1_vs_off", "gate_p99_ms", "gate_busy_p99_ms", "release_p50_ms", "release_p99_ms",
+	"console_rows", "console_worst_p95_ms", "console_pages_over_budget",
 }
 
 func (r *results) summary() *summary {
@@ -306,6 +327,12 @@ func (r *results) summary() *summary {
 		s.set("cpu_speed_start", r.speedStart)
 		s.set("cpu_speed_end", r.speedEnd)
 		s.set("messages_per_phase", float64(r.cfg.N))
+		return s
+	}
+	if r.cfg.Only == onlyConsole {
+		r.console.summarize(s)
+		s.set("cpu_speed_start", r.speedStart)
+		s.set("cpu_speed_end", r.speedEnd)
 		return s
 	}
 	own, hot, single, backlog := r.scenarios[0], r.scenarios[1], r.scenarios[2], r.scenarios[3]
@@ -354,6 +381,7 @@ func (r *results) summary() *summary {
 	s.set("e2e_pg_cpu_us_per_msg", perMsg(cpu.postgres))
 	s.set("e2e_svc_cpu_us_per_msg", perMsg(cpu.service))
 	r.gate.summarize(s)
+	r.console.summarize(s)
 	s.set("cpu_speed_start", r.speedStart)
 	s.set("cpu_speed_end", r.speedEnd)
 	s.set("messages_per_phase", float64(r.cfg.N))
@@ -394,6 +422,19 @@ func (r *results) write(w io.Writer) {
 		fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
 		tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
 		gateTargets(targetRow(tw), s.vals)
+		tw.Flush()
+		fmt.Fprintln(w, s.resultLine())
+		return
+	}
+	if cfg.Only == onlyConsole {
+		fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s, the console scenario alone (BENCH_ONLY=console)\n", cfg.Mode)
+		for _, m := range r.machine {
+			fmt.Fprintln(w, m)
+		}
+		r.console.write(w, cfg.ConsoleRequests)
+		fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
+		tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
+		consoleTargets(targetRow(tw), s.vals)
 		tw.Flush()
 		fmt.Fprintln(w, s.resultLine())
 		return
@@ -471,6 +512,7 @@ func (r *results) write(w io.Writer) {
 		r.large.ingest.wall.Seconds(), s.vals["large_ingest_mb_per_s"], r.large.dispatch.wall.Seconds())
 
 	r.gate.write(w, s.vals)
+	r.console.write(w, cfg.ConsoleRequests)
 
 	fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
 	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
@@ -489,6 +531,7 @@ func (r *results) write(w io.Writer) {
 	target("scheduler peak RSS, records near 1 MB", fmt.Sprintf("%.1f MB", v["large_rss_mb"]), "<= 244 MB (256,000,000 bytes)",
 		v["large_rss_mb"]*(1<<20) <= 256_000_000)
 	gateTargets(target, v)
+	consoleTargets(target, v)
 	tw.Flush()
 
 	// What the throughput target asks of the CPU, in the units the

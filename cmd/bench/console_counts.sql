@@ -1,0 +1,8 @@
+-- The console scenario (cmd/bench/console.go): what the seed made, for the
+-- report: messages, parked, rejected, keys (deferred_key rows: keys with
+-- a head, and unordered pending messages) and history rows.
+SELECT (SELECT count(*) FROM deferred_message),
+       (SELECT count(*) FROM deferred_message WHERE state = 'parked'),
+       (SELECT count(*) FROM deferred_message WHERE state = 'rejected'),
+       (SELECT count(*) FROM deferred_key),
+       (SELECT count(*) FROM deferred_attempt)
