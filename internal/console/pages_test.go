@@ -317,7 +317,7 @@ func TestOverviewJSON(t *testing.T) {
 	}
 }
 
-// TestOverviewEstimatesLargeTables: above 50,000 rows the overview's pending
+// TestOverviewEstimatesLargeTables: above 20,000 rows the overview's pending
 // counts come from a sample, are marked estimated and stay near the truth;
 // the parked count stays exact.
 func TestOverviewEstimatesLargeTables(t *testing.T) {

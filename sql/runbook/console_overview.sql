@@ -11,8 +11,8 @@
 -- within :'window'. target_topic is empty for records rejected before they
 -- named one. Counting every pending row takes seconds on many millions of
 -- rows, so the pending and due-pending counts are exact only while the
--- table's statistics (pg_class.reltuples) say it holds at most 50,000 rows;
--- above that they are estimated from a sample of about 50,000 rows
+-- table's statistics (pg_class.reltuples) say it holds at most 20,000 rows;
+-- above that they are estimated from a sample of about 20,000 rows
 -- (TABLESAMPLE SYSTEM, whole pages) and estimated is true: a target with
 -- few pending messages may then show none. Everything else is exact and
 -- reads indexes: due heads (deferred_key_due, deferred_key_throttled),
@@ -23,8 +23,10 @@
 --   psql "$DATABASE_URL" -v window='5 minutes' -f sql/runbook/console_overview.sql
 WITH sample AS (
     -- The share of the table's pages to read, in percent: 100 (every row,
-    -- exact) up to 50,000 rows. reltuples is -1 before the first ANALYZE.
-    SELECT least(100, 5000000 / greatest(reltuples, 1))::float4 AS percent
+    -- exact) up to 20,000 rows. reltuples is -1 before the first ANALYZE.
+    -- 20,000 rows: about 0.1 s on a table of a million; a target with
+    -- thousands of messages is counted within a few percent.
+    SELECT least(100, 2000000 / greatest(reltuples, 1))::float4 AS percent
     FROM pg_class
     WHERE oid = 'deferred_message'::regclass
 ), pending AS (
