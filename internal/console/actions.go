@@ -456,7 +456,7 @@ func (s *server) parseReplay(form url.Values, keep url.Values) (replayFilter, *b
 		case "key":
 			f.vars["key"] = v
 		case "target", "error_class":
-			if f.vars[name], err = globToLike(v); err != nil {
+			if f.vars[name], err = operate.GlobToLike(v); err != nil {
 				return f, &badInput{name, v, "a glob: * any run of characters, ? one, \\ quotes (" + err.Error() + ")"}
 			}
 		case "reason":

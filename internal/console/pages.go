@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
-	"path"
 	"regexp"
 	"slices"
 	"strconv"
@@ -318,12 +317,12 @@ func parseMsgFilter(q url.Values, now time.Time) (msgFilter, *badInput) {
 	}
 	var err error
 	if f.Target != "" {
-		if v["target"], err = globToLike(f.Target); err != nil {
+		if v["target"], err = operate.GlobToLike(f.Target); err != nil {
 			return f, &badInput{"target", f.Target, "a glob: * any run of characters, ? one, \\ quotes (" + err.Error() + ")"}
 		}
 	}
 	if f.ErrorClass != "" {
-		if v["error_class"], err = globToLike(f.ErrorClass); err != nil {
+		if v["error_class"], err = operate.GlobToLike(f.ErrorClass); err != nil {
 			return f, &badInput{"error_class", f.ErrorClass, "a glob: * any run of characters, ? one, \\ quotes (" + err.Error() + ")"}
 		}
 	}
@@ -406,40 +405,6 @@ func parseWhen(s string, now time.Time) (time.Time, error) {
 		return time.Time{}, errors.New("not a time")
 	}
 	return now.Add(-d), nil
-}
-
-// globToLike translates a glob into a LIKE pattern, as `scheduler replay
-// --target` does: * is %, ? is _, \ quotes, and LIKE's own % _ \ are
-// escaped.
-func globToLike(glob string) (string, error) {
-	if _, err := path.Match(glob, ""); err != nil {
-		return "", err
-	}
-	var b strings.Builder
-	for i := 0; i < len(glob); i++ {
-		c := glob[i]
-		switch c {
-		case '*':
-			b.WriteByte('%')
-			continue
-		case '?':
-			b.WriteByte('_')
-			continue
-		case '[':
-			return "", errors.New("character classes [...] are not supported")
-		case '\\':
-			i++
-			if i == len(glob) {
-				return "", errors.New(`ends in \`)
-			}
-			c = glob[i]
-		}
-		if c == '%' || c == '_' || c == '\\' {
-			b.WriteByte('\\')
-		}
-		b.WriteByte(c)
-	}
-	return b.String(), nil
 }
 
 // globQuote quotes a topic name so that it reads as itself in a glob.

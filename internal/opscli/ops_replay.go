@@ -8,11 +8,9 @@ import (
 	"bufio"
 	"cmp"
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
-	"path"
 	"slices"
 	"strconv"
 	"strings"
@@ -157,48 +155,13 @@ func (v idsValue) Set(s string) error {
 	return nil
 }
 
-// globToLike translates a path.Match-style glob into a LIKE pattern: * is
-// %, ? is _, \ quotes the next character, and LIKE's own % _ and \ are
-// escaped. Character classes have no LIKE equivalent and are refused; topic
-// names cannot contain brackets anyway.
-func globToLike(glob string) (string, error) {
-	if _, err := path.Match(glob, ""); err != nil {
-		return "", fmt.Errorf("not a valid pattern: %w", err)
-	}
-	var b strings.Builder
-	for i := 0; i < len(glob); i++ {
-		c := glob[i]
-		switch c {
-		case '*':
-			b.WriteByte('%')
-			continue
-		case '?':
-			b.WriteByte('_')
-			continue
-		case '[':
-			return "", errors.New("character classes [...] are not supported: use * and ?")
-		case '\\':
-			i++
-			if i == len(glob) {
-				return "", errors.New(`ends in \: nothing to quote`)
-			}
-			c = glob[i]
-		}
-		if c == '%' || c == '_' || c == '\\' {
-			b.WriteByte('\\')
-		}
-		b.WriteByte(c)
-	}
-	return b.String(), nil
-}
-
 // targetFilter translates a --target glob into the LIKE pattern of the
 // runbook's :'target' variable; "" stays "" (no filter).
 func targetFilter(glob string) (string, error) {
 	if glob == "" {
 		return "", nil
 	}
-	like, err := globToLike(glob)
+	like, err := operate.GlobToLike(glob)
 	if err != nil {
 		return "", usagef("--target %q: %v", glob, err)
 	}
@@ -315,11 +278,11 @@ func buildReplayFilter(fs *flag.FlagSet, now time.Time, ids []int64) (replayFilt
 		case "key":
 			f.key = value
 		case "target":
-			if f.targetLike, err = globToLike(value); err != nil {
+			if f.targetLike, err = operate.GlobToLike(value); err != nil {
 				return f, usagef("--target %q: %v", value, err)
 			}
 		case "error-class":
-			if f.errorClassLike, err = globToLike(value); err != nil {
+			if f.errorClassLike, err = operate.GlobToLike(value); err != nil {
 				return f, usagef("--error-class %q: %v", value, err)
 			}
 		case "reason":
