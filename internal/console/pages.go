@@ -88,7 +88,7 @@ const highWaterWait = 3 * time.Second
 // readHighWater asks s.cfg.HighWaterMarks, within highWaterWait.
 func (s *server) readHighWater() (map[int32]int64, error) {
 	if s.cfg.HighWaterMarks == nil {
-		return nil, errors.New("Kafka is not known here")
+		return nil, errors.New("this console has no connection to Kafka")
 	}
 	type answer struct {
 		marks map[int32]int64
@@ -103,7 +103,7 @@ func (s *server) readHighWater() (map[int32]int64, error) {
 	case a := <-ch:
 		return a.marks, a.err
 	case <-time.After(highWaterWait):
-		return nil, fmt.Errorf("Kafka did not answer within %s", highWaterWait)
+		return nil, fmt.Errorf("the brokers did not answer within %s", highWaterWait)
 	}
 }
 
