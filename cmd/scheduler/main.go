@@ -57,7 +57,7 @@ the README and the SQL runbook in sql/runbook):
             committing)
   expedite  make pending messages due now, by id, business key or target
   cancel    delete messages by id
-  park      park pending messages by id, with a reason
+  park      park pending messages by id, with a note of why (--why)
   replay    send parked or rejected messages again, by filter, at a rate
   pause     stop republishing to a target topic; resume undoes it
   resume    republish to a paused target topic again
