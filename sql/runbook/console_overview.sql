@@ -63,13 +63,17 @@ WITH sample AS (
       AND recorded_at > now() - :'window'::interval
     GROUP BY 1
 ), topics AS (
-    SELECT target_topic FROM pending
-    UNION SELECT target_topic FROM heads
-    UNION SELECT target_topic FROM stopped
-    UNION SELECT target_topic FROM published
+    -- No topic is named '' (Kafka refuses it): '' stands for "no target",
+    -- NULL or empty, and the joins below are plain equalities, which can
+    -- be hashed (IS NOT DISTINCT FROM made them nested loops: 30 ms with
+    -- two hundred targets).
+    SELECT coalesce(target_topic, '') AS target_topic FROM pending
+    UNION SELECT coalesce(target_topic, '') FROM heads
+    UNION SELECT coalesce(target_topic, '') FROM stopped
+    UNION SELECT coalesce(target_topic, '') FROM published
     UNION SELECT target_topic FROM target_control
 )
-SELECT t.target_topic,
+SELECT nullif(t.target_topic, '') AS target_topic,
        coalesce(p.pending, 0) AS pending,
        coalesce(p.due, 0) AS due,
        coalesce(h.due_heads, 0) AS due_heads,
@@ -83,9 +87,9 @@ SELECT t.target_topic,
        coalesce(pub.published, 0) AS published,
        (SELECT percent < 100 FROM sample) AS estimated
 FROM topics t
-LEFT JOIN pending p ON p.target_topic IS NOT DISTINCT FROM t.target_topic
-LEFT JOIN heads h ON h.target_topic IS NOT DISTINCT FROM t.target_topic
-LEFT JOIN stopped s ON s.target_topic IS NOT DISTINCT FROM t.target_topic
-LEFT JOIN published pub ON pub.target_topic IS NOT DISTINCT FROM t.target_topic
+LEFT JOIN pending p ON coalesce(p.target_topic, '') = t.target_topic
+LEFT JOIN heads h ON coalesce(h.target_topic, '') = t.target_topic
+LEFT JOIN stopped s ON coalesce(s.target_topic, '') = t.target_topic
+LEFT JOIN published pub ON coalesce(pub.target_topic, '') = t.target_topic
 LEFT JOIN target_control c ON c.target_topic = t.target_topic
-ORDER BY t.target_topic NULLS FIRST;
+ORDER BY t.target_topic;
