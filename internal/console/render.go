@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/deferq/scheduler/internal/reason"
 )
 
 // page is what every template gets.
@@ -162,13 +164,12 @@ func orDash(p *string) string {
 	return *p
 }
 
-// reasonCode is the part of a reason before the first colon.
-func reasonCode(reason *string) string {
-	if reason == nil {
+// reasonCode is the code of a reason (reason.Code), empty when there is none.
+func reasonCode(r *string) string {
+	if r == nil {
 		return ""
 	}
-	code, _, _ := strings.Cut(*reason, ":")
-	return code
+	return reason.Code(*r)
 }
 
 func groupDigits(n int64) string {

@@ -459,13 +459,12 @@ func confirmCount(ctx context.Context, stdin io.Reader, stderr io.Writer, n int,
 	}
 }
 
-// reasonCode is the part of a reason before the first colon.
-func reasonCode(reason *string) string {
-	if reason == nil {
+// reasonCode is the code of a reason (reason.Code), "-" when there is none.
+func reasonCode(r *string) string {
+	if r == nil {
 		return "-"
 	}
-	code, _, _ := strings.Cut(*reason, ":")
-	return code
+	return reason.Code(*r)
 }
 
 func groupCandidates(cands []operate.ReplayCandidate) []replayGroup {
