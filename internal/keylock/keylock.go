@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -98,6 +99,9 @@ type Outcome struct {
 type Locker struct {
 	pool *pgxpool.Pool
 	cfg  Config
+	// share is how many due heads the next main claim reads per target
+	// (dispatch_claim.sql's $6); 0 until the first claim. See nextShare.
+	share atomic.Int64
 }
 
 // Config configures a Locker.
@@ -209,14 +213,18 @@ func Bytes(claims []Claim) int {
 // maxBytes is applied by the statement ($5): rows past it come back with
 // their key only (id NULL), and such keys are released here.
 func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only *string) ([]Claim, error) {
-	p := queries.DispatchClaimParams{MaxKeys: maxKeys, Lease: l.cfg.Lease, PerKey: perKey, Owner: l.cfg.Owner,
+	p := queries.ClaimParams{MaxKeys: maxKeys, Lease: l.cfg.Lease, PerKey: perKey, Owner: l.cfg.Owner,
 		MaxBytes: int64(max(1, maxBytes))}
 	var rows []queries.DispatchClaimRow
 	var err error
+	share := maxKeys
 	if only != nil {
-		rows, err = queries.DispatchClaimTarget(ctx, l.pool, queries.DispatchClaimTargetParams{DispatchClaimParams: p, Target: *only})
+		rows, err = queries.DispatchClaimTarget(ctx, l.pool, queries.DispatchClaimTargetParams{ClaimParams: p, Target: *only})
 	} else {
-		rows, err = queries.DispatchClaim(ctx, l.pool, p)
+		if s := int(l.share.Load()); s > 0 {
+			share = min(s, maxKeys)
+		}
+		rows, err = queries.DispatchClaim(ctx, l.pool, queries.DispatchClaimParams{ClaimParams: p, Share: share})
 	}
 	if err != nil {
 		if only != nil {
@@ -251,12 +259,55 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only 
 		last := &claims[len(claims)-1]
 		last.Messages = append(last.Messages, m)
 	}
+	if only == nil {
+		l.share.Store(int64(nextShare(claims, len(empty), maxKeys, share)))
+	}
 	if len(empty) > 0 {
 		if err := l.Finalize(ctx, empty, Outcome{}); err != nil {
 			return nil, err
 		}
 	}
 	return claims, nil
+}
+
+// nextShare returns how many due heads the next main claim should read per
+// target, from what this one took: claims (and empty, the keys that came
+// back without a message) out of maxKeys, reading at most share per target.
+//
+// The claim statement shares a round between targets turn by turn whatever
+// the share; the share only bounds what it reads and locks per target
+// before it does. Too small, and a target with a backlog gets less than
+// the round leaves it; too large, and the claim locks heads of several
+// backlogged targets that it then leaves. So it is set to what the
+// targets that still had heads left can use: the round minus what the
+// others took, split between them. A target had heads left when it took
+// the whole share, or, in a full round, when it took as many as the most
+// any target took, less one (the turn the round ended in). With one target
+// the share is the whole round; with none, or no target holding back
+// anything, it is the whole round too, and a claim that then finds several
+// backlogs ends up taking turns between them all the same, only reading more.
+func nextShare(claims []Claim, empty, maxKeys, share int) int {
+	taken := make(map[string]int)
+	most := 0
+	for _, c := range claims {
+		t := c.Messages[0].Target
+		taken[t]++
+		most = max(most, taken[t])
+	}
+	total := len(claims) + empty
+	full := total >= maxKeys
+	left, heavy := maxKeys-empty, 0
+	for _, n := range taken {
+		if n >= share || (full && n >= most-1) {
+			heavy++
+		} else {
+			left -= n
+		}
+	}
+	if heavy == 0 {
+		return maxKeys
+	}
+	return max(1, min(maxKeys, (left+heavy-1)/heavy))
 }
 
 func sameClaim(a, b Claim) bool {

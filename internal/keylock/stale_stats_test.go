@@ -146,8 +146,9 @@ func runStep(t *testing.T, pool *pgxpool.Pool, s step, batch int, checkHeads boo
 
 	// The claim itself, then the step on what it claimed: the first
 	// message of each claimed key, or each unordered head.
-	rows, err := queries.DispatchClaim(ctx, tx, queries.DispatchClaimParams{MaxKeys: batch, Lease: time.Minute,
-		PerKey: 1, Owner: "stale-stats", MaxBytes: int64(keylock.DefaultMaxBytes)})
+	rows, err := queries.DispatchClaim(ctx, tx, queries.DispatchClaimParams{ClaimParams: queries.ClaimParams{
+		MaxKeys: batch, Lease: time.Minute, PerKey: 1, Owner: "stale-stats", MaxBytes: int64(keylock.DefaultMaxBytes)},
+		Share: batch})
 	if err != nil {
 		t.Fatalf("claim: %v", err)
 	}

@@ -182,7 +182,7 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 		args    []any
 		max     int64
 	}{
-		{"main claim", nil, statementSQL(t, "dispatch_claim.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes)}, 10},
+		{"main claim", nil, statementSQL(t, "dispatch_claim.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes), 10}, 12},
 		{"limited target's claim", nil, statementSQL(t, "dispatch_claim_target.sql"), []any{5, lease, 1, "me", int64(keylock.DefaultMaxBytes), "limited.t"}, 5},
 		{"next due", nil, statementSQL(t, "dispatch_next_due.sql"), nil, 20},
 		{"token peek", nil, statementSQL(t, "target_peek_tokens.sql"), []any{[]string{"limited.t", "paused.t"}}, 5},

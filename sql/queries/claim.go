@@ -8,8 +8,8 @@ import (
 	"github.com/jackc/pgx/v5"
 )
 
-// DispatchClaimParams are dispatch_claim.sql's parameters.
-type DispatchClaimParams struct {
+// ClaimParams are the parameters both claim statements share, $1 to $5.
+type ClaimParams struct {
 	MaxKeys  int           // $1: keys to lease at most
 	Lease    time.Duration // $2: how long the lease holds
 	PerKey   int           // $3: messages read per key at most
@@ -17,19 +17,29 @@ type DispatchClaimParams struct {
 	MaxBytes int64         // $5: the claim's byte budget, at least 1
 }
 
-func (p DispatchClaimParams) args() []any {
+func (p ClaimParams) args() []any {
 	return []any{p.MaxKeys, p.Lease, p.PerKey, p.Owner, p.MaxBytes}
 }
 
+// DispatchClaimParams are dispatch_claim.sql's parameters.
+type DispatchClaimParams struct {
+	ClaimParams     // $1..$5
+	Share       int // $6: due heads read per target at most, at most MaxKeys
+}
+
+func (p DispatchClaimParams) args() []any {
+	return append(p.ClaimParams.args(), p.Share)
+}
+
 // DispatchClaimTargetParams are dispatch_claim_target.sql's: the main
-// claim's, for the heads of one rate-limited target.
+// claim's first five, for the heads of one rate-limited target.
 type DispatchClaimTargetParams struct {
-	DispatchClaimParams        // $1..$5
-	Target              string // $6
+	ClaimParams        // $1..$5
+	Target      string // $6
 }
 
 func (p DispatchClaimTargetParams) args() []any {
-	return append(p.DispatchClaimParams.args(), p.Target)
+	return append(p.ClaimParams.args(), p.Target)
 }
 
 // DispatchClaimRow is one message a claim read, or, with ID nil, a leased

@@ -13,25 +13,39 @@
 -- one word for word (TestClaimStatementsShareTheirMessageRead checks it),
 -- which is also why the budget is $5 in both.
 --
+-- Fair between targets: the $1 heads are shared round-robin between the
+-- targets that have due heads, so that one target's backlog cannot delay
+-- another target's due messages (docs/design.md, "Fairness between
+-- targets"). Each target's due heads are read in due-time order from
+-- deferred_key_target_due, at most $6 of them (the caller's estimate of a
+-- target's share, at most $1: see internal/keylock's share), locked as
+-- they are read (SKIP LOCKED, so concurrent claims take the next ones).
+-- Then they are taken turn by turn: every target's earliest due head,
+-- then every target's second, and so on, earlier due time first within a
+-- turn, until $1. A target with fewer due heads than its share leaves the
+-- rest to the others, so one target alone gets the whole round. Heads read
+-- and locked but not taken stay as they were (the lock ends with the
+-- statement); keylock's share keeps them few.
+--
+-- The targets come from a loose scan of deferred_key_target_due (one index
+-- probe per target that has heads there), so the claim costs a few probes
+-- per target however long any target's backlog is.
 -- Heads of paused and rate-limited targets are flagged (deferred_key.throttled)
--- and are not in deferred_key_due's range at all, so however large their
+-- and are not in deferred_key_target_due at all, so however large their
 -- backlog, this walks only heads that can go. The target_control check
 -- below is a safety net, not the filter: a head written while an operator
 -- was pausing or limiting its target may be left unflagged for a while (see
 -- "Throttled heads under concurrency" in migration 0002); the check still
--- keeps it from being sent, at the cost of a skipped row. It reads
--- target_control once, into an array, rather than as NOT EXISTS per head:
--- the planner, taking an anti-join to remove many rows, would otherwise
--- sort every due head to find the first $1 when target_control has no
--- statistics yet (seen: 50ms for 100k due heads, against 0.3ms).
+-- keeps it from being sent, at the cost of a skipped target. It reads
+-- target_control once, into an array.
 --
 -- A key held by a parked message (deferred_key.held) has next_run_at =
--- 'infinity' and is never due, so the range scan below never reaches it. A
+-- 'infinity' and is never due, so the range scans below never reach it. A
 -- run stops at the first message that is not due, and also at a parked
 -- message that holds the key: the head is pending, but a later message
 -- must still not overtake a parked one ahead of it.
 --
--- MATERIALIZED keeps the LIMIT and SKIP LOCKED in one place: without it the
+-- MATERIALIZED keeps the LIMITs and SKIP LOCKED in one place: without it the
 -- planner may inline the CTE into the UPDATE and lock more rows than asked.
 -- A claimed key for which no message comes back (an operator changed it an
 -- instant ago, or the byte budget cut all of its run) still returns one row
@@ -52,23 +66,46 @@
 -- database). The sum runs over the rows the laterals read, at most $1 x $3,
 -- in the sort the output order needs anyway; nth, each message's place in
 -- its run, rides on the window that already checks all_due.
-WITH due AS MATERIALIZED (
+WITH RECURSIVE targets (target) AS (
+    (SELECT k.head_target FROM deferred_key k
+     WHERE NOT k.throttled AND k.head_target IS NOT NULL
+     ORDER BY k.head_target
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT k.head_target FROM deferred_key k
+            WHERE NOT k.throttled AND k.head_target > t.target
+            ORDER BY k.head_target
+            LIMIT 1)
+    FROM targets t
+    WHERE t.target IS NOT NULL
+), candidate AS MATERIALIZED (
+    SELECT h.ctid, h.next_run_at,
+           row_number() OVER (PARTITION BY t.target ORDER BY h.next_run_at) AS turn
+    FROM targets t
+    CROSS JOIN LATERAL (
+        SELECT k.ctid, k.next_run_at
+        FROM deferred_key k
+        WHERE NOT k.throttled
+          AND k.head_target = t.target
+          -- next_run_at <= now(), written so that only deferred_key_target_due
+          -- can bound the scan: deferred_key_due, which also holds these
+          -- heads in due order, would walk every other target's due heads
+          -- before this one's, and with the bare test the planner may
+          -- take either.
+          AND (k.head_target, k.next_run_at) <= (t.target, now())
+          AND (k.leased_until IS NULL OR k.leased_until <= now())
+        ORDER BY k.next_run_at
+        LIMIT $6
+        FOR UPDATE SKIP LOCKED
+    ) h
+    WHERE t.target IS NOT NULL
+      AND coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
+                                          WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
+), due AS MATERIALIZED (
     SELECT ctid
-    FROM deferred_key
-    WHERE NOT throttled
-      AND next_run_at <= now()
-      AND (leased_until IS NULL OR leased_until <= now())
-      -- coalesce(..., false) filters exactly as the bare test would, but
-      -- hides it from the row estimate: with one target, the statistics
-      -- say every head goes to it, the planner takes "not one of the
-      -- throttled targets" to keep no row at all, and sorts every due
-      -- head for the LIMIT instead of walking deferred_key_due (seen: all
-      -- 20,000 due heads read per claim; see migration 0003).
-      AND coalesce(head_target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
-                                             WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
-    ORDER BY next_run_at
+    FROM candidate
+    ORDER BY turn, next_run_at
     LIMIT $1
-    FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE deferred_key k
     SET leased_until = now() + $2::interval, leased_by = $4::text

@@ -1,0 +1,229 @@
+package keylock_test
+
+import (
+	"fmt"
+	"maps"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/deferq/scheduler/internal/keylock"
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+// backlog is a number of due (or future) messages of one target, one key
+// each, due at the given offset from now.
+type backlog struct {
+	target string
+	n      int
+	due    time.Duration // from now; negative: due already
+}
+
+func insertBacklogs(t *testing.T, q querier, bs []backlog) {
+	t.Helper()
+	for _, b := range bs {
+		mustExec(t, q, `INSERT INTO deferred_message (business_key, target_topic, next_run_at)
+			SELECT $1 || '-' || i, $1, now() + $3::interval + i * interval '1 microsecond'
+			FROM generate_series(1, $2::int) AS i`, b.target, b.n, b.due)
+	}
+}
+
+func takenByTarget(claims []keylock.Claim) map[string]int {
+	got := map[string]int{}
+	for _, c := range claims {
+		got[c.Messages[0].Target]++
+	}
+	return got
+}
+
+// TestClaimSharesRoundBetweenTargets: one claim takes its heads turn by turn
+// from the targets with due heads (each target's earliest, then each one's
+// second, ...), so that a target's backlog, however old, leaves the others
+// their share; what a target does not use goes to the others.
+func TestClaimSharesRoundBetweenTargets(t *testing.T) {
+	tests := []struct {
+		name     string
+		backlogs []backlog
+		paused   []string
+		maxKeys  int
+		want     map[string]int
+	}{
+		{"one target takes the whole round", []backlog{{"orders", 1000, -time.Hour}}, nil, 10,
+			map[string]int{"orders": 10}},
+		{"an older backlog leaves a newer target its heads", []backlog{{"orders", 1000, -time.Hour}, {"alerts", 3, -time.Second}}, nil, 10,
+			map[string]int{"orders": 7, "alerts": 3}},
+		{"two backlogs share, a small target first", []backlog{{"a", 1000, -time.Hour}, {"b", 1000, -time.Minute}, {"c", 2, -time.Second}}, nil, 10,
+			map[string]int{"a": 4, "b": 4, "c": 2}},
+		{"an odd round gives the extra turn to the earlier head", []backlog{{"a", 1000, -time.Minute}, {"b", 1000, -time.Hour}}, nil, 5,
+			map[string]int{"a": 2, "b": 3}},
+		{"heads not yet due take no share", []backlog{{"orders", 1000, -time.Hour}, {"later", 50, time.Hour}}, nil, 10,
+			map[string]int{"orders": 10}},
+		{"a paused target takes no share", []backlog{{"orders", 1000, -time.Hour}, {"alerts", 5, -time.Second}}, []string{"orders"}, 10,
+			map[string]int{"alerts": 5}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			db := pgtest.NewDB(t)
+			insertBacklogs(t, db.Pool, tt.backlogs)
+			for _, p := range tt.paused {
+				mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, paused) VALUES ($1, true)`, p)
+			}
+			mustExec(t, db.Pool, `ANALYZE deferred_key`)
+			l := newLocker(t, db.Pool, "fair", time.Minute, 10)
+			claims, err := l.Claim(t.Context(), tt.maxKeys)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := takenByTarget(claims); !maps.Equal(got, tt.want) {
+				t.Errorf("claim took %v, want %v", got, tt.want)
+			}
+			// Within a target, in due order: the earliest heads.
+			for target, n := range tt.want {
+				var earliest []string
+				rows, err := db.Pool.Query(t.Context(), `SELECT business_key FROM deferred_key
+					WHERE head_target = $1 ORDER BY next_run_at LIMIT $2`, target, n)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for rows.Next() {
+					var k string
+					if err := rows.Scan(&k); err != nil {
+						t.Fatal(err)
+					}
+					earliest = append(earliest, k)
+				}
+				if err := rows.Err(); err != nil {
+					t.Fatal(err)
+				}
+				var got []string
+				for _, c := range claims {
+					if c.Messages[0].Target == target {
+						got = append(got, c.BusinessKey)
+					}
+				}
+				slices.Sort(got)
+				slices.Sort(earliest)
+				if !slices.Equal(got, earliest) {
+					t.Errorf("target %s: claimed %v, want its earliest heads %v", target, got, earliest)
+				}
+			}
+			assertHeadsMatch(t, db.Pool)
+		})
+	}
+}
+
+// TestClaimDoesNotWalkAnotherTargetsBacklog: the claim finds a target's due
+// heads without reading through another target's older backlog, whatever
+// share it is given: it reads the targets' first index entries and the
+// heads it locks, not the backlog in front of them.
+func TestClaimDoesNotWalkAnotherTargetsBacklog(t *testing.T) {
+	const big = 50000
+	db := pgtest.NewDB(t)
+	insertBacklogs(t, db.Pool, []backlog{{"orders", big, -time.Hour}, {"alerts", 5, -time.Second}})
+	mustExec(t, db.Pool, `ANALYZE deferred_key`)
+	lease := time.Minute
+	for _, share := range []int{10, 1} {
+		t.Run(fmt.Sprint("share ", share), func(t *testing.T) {
+			read, scans := planRows(t, db.Pool, nil, statementSQL(t, "dispatch_claim.sql"),
+				10, lease, 10, "me", int64(keylock.DefaultMaxBytes), share)
+			// Two targets' first entries and the end of the loose scan, then
+			// at most share heads of each.
+			if limit := int64(3 + 2*share); read > limit {
+				t.Errorf("read %d rows of deferred_key, want at most %d behind a backlog of %d: %q", read, limit, big, scans)
+			}
+			t.Logf("%q", scans)
+		})
+	}
+}
+
+// TestClaimRoundsDrainAQuietTargetFirst: rounds of one locker, as a
+// dispatch loop runs them, hand a quiet target's heads out in the first
+// round however long another target's backlog is, and then give the
+// backlog whole rounds again. The share a round reads per target comes
+// from the round before (keylock's nextShare), so the round after the
+// quiet target's last heads still reads the backlog's share of the round
+// before; the next one reads the whole round.
+func TestClaimRoundsDrainAQuietTargetFirst(t *testing.T) {
+	db := pgtest.NewDB(t)
+	insertBacklogs(t, db.Pool, []backlog{{"orders", 2000, -time.Hour}})
+	l := newLocker(t, db.Pool, "fair", time.Minute, 10)
+	rounds := []struct {
+		quiet int // alerts' heads made due before the round
+		want  map[string]int
+	}{
+		{0, map[string]int{"orders": 100}},
+		{3, map[string]int{"orders": 97, "alerts": 3}},
+		{0, map[string]int{"orders": 97}},
+		{0, map[string]int{"orders": 100}},
+		{150, map[string]int{"orders": 50, "alerts": 50}},
+		{0, map[string]int{"orders": 50, "alerts": 50}},
+		{0, map[string]int{"orders": 50, "alerts": 50}},
+		{0, map[string]int{"orders": 50}},
+		{0, map[string]int{"orders": 100}},
+	}
+	for i, r := range rounds {
+		if r.quiet > 0 {
+			mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, target_topic, next_run_at)
+				SELECT 'alerts-' || $1::int || '-' || i, 'alerts', now() FROM generate_series(1, $2::int) AS i`, i, r.quiet)
+		}
+		claims, err := l.Claim(t.Context(), 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := takenByTarget(claims); !maps.Equal(got, r.want) {
+			t.Errorf("round %d took %v, want %v", i+1, got, r.want)
+		}
+		// Published: the next round finds the next heads.
+		if err := l.Finalize(t.Context(), claims, keylock.Outcome{Published: messageIDs(claims)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func messageIDs(claims []keylock.Claim) []int64 {
+	var ids []int64
+	for _, c := range claims {
+		for _, m := range c.Messages {
+			ids = append(ids, m.ID)
+		}
+	}
+	return ids
+}
+
+// TestNextShare: the share of the next claim is what the targets that still
+// had heads can use.
+func TestNextShare(t *testing.T) {
+	claimsOf := func(byTarget map[string]int) []keylock.Claim {
+		var cs []keylock.Claim
+		for _, target := range slices.Sorted(maps.Keys(byTarget)) {
+			for range byTarget[target] {
+				cs = append(cs, keylock.Claim{Messages: []keylock.Message{{Target: target}}})
+			}
+		}
+		return cs
+	}
+	tests := []struct {
+		name    string
+		taken   map[string]int
+		empty   int
+		maxKeys int
+		share   int
+		want    int
+	}{
+		{"nothing due: the whole round", nil, 0, 500, 500, 500},
+		{"one target, full round", map[string]int{"a": 500}, 0, 500, 500, 500},
+		{"one target, few heads: no one held back", map[string]int{"a": 20}, 0, 500, 500, 500},
+		{"a backlog beside a quiet target", map[string]int{"a": 499, "b": 1}, 0, 500, 500, 499},
+		{"two backlogs and a quiet target", map[string]int{"a": 250, "b": 249, "c": 1}, 0, 500, 500, 250},
+		{"a backlog at its share in a round that was not full", map[string]int{"a": 250, "c": 3}, 0, 500, 250, 497},
+		{"keys that came back empty count against the round", map[string]int{"a": 400}, 100, 500, 500, 400},
+		{"never below one", map[string]int{"a": 1, "b": 1, "c": 1}, 0, 2, 1, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := keylock.NextShare(claimsOf(tt.taken), tt.empty, tt.maxKeys, tt.share); got != tt.want {
+				t.Errorf("NextShare(%v, %d, %d, %d) = %d, want %d", tt.taken, tt.empty, tt.maxKeys, tt.share, got, tt.want)
+			}
+		})
+	}
+}

@@ -1,0 +1,15 @@
+-- Fairness between targets: the main claim (sql/queries/dispatch_claim.sql)
+-- shares each round between the targets that have due heads, round-robin,
+-- instead of taking due heads in due-time order across all targets, which
+-- let one target's backlog delay every other target by its whole length
+-- (200,000 due heads of one target: 5.2 s before another target's message
+-- went). To find each target's own due heads without walking the others',
+-- it reads this index: the heads that are neither paused nor rate-limited,
+-- by target, then due time (deferred_key_throttled is its counterpart for
+-- the throttled heads). deferred_key_due stays: the next-due read, the
+-- backlog gauge and the console want the earliest head of all targets, and
+-- the claim fills what the round-robin leaves from it.
+--
+-- CREATE INDEX reads the whole of deferred_key and blocks writes to it while
+-- it does: about a second per million keys.
+CREATE INDEX deferred_key_target_due ON deferred_key (head_target, next_run_at) WHERE NOT throttled;
