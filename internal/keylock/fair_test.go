@@ -1,7 +1,6 @@
 package keylock_test
 
 import (
-	"fmt"
 	"maps"
 	"slices"
 	"testing"
@@ -23,7 +22,7 @@ func insertBacklogs(t *testing.T, q querier, bs []backlog) {
 	t.Helper()
 	for _, b := range bs {
 		mustExec(t, q, `INSERT INTO deferred_message (business_key, target_topic, next_run_at)
-			SELECT $1 || '-' || i, $1, now() + $3::interval + i * interval '1 microsecond'
+			SELECT $1 || '-' || $3::interval || '-' || i, $1, now() + $3::interval + i * interval '1 microsecond'
 			FROM generate_series(1, $2::int) AS i`, b.target, b.n, b.due)
 	}
 }
@@ -113,25 +112,49 @@ func TestClaimSharesRoundBetweenTargets(t *testing.T) {
 }
 
 // TestClaimDoesNotWalkAnotherTargetsBacklog: the claim finds a target's due
-// heads without reading through another target's older backlog, whatever
-// share it is given: it reads the targets' first index entries and the
-// heads it locks, not the backlog in front of them.
+// heads without reading through another target's older backlog or its own
+// heads not yet due, whatever share it is given and whether or not the
+// statistics know the quiet target yet: it reads the targets' first index
+// entries and the heads it locks, nothing in front of them. (Written with
+// a row comparison as its due-time bound, the per-target read once walked
+// all 200,000 far-future heads per claim; deferred_key_due, which holds
+// the same heads in due order, must not be the one it reads either.)
 func TestClaimDoesNotWalkAnotherTargetsBacklog(t *testing.T) {
 	const big = 50000
-	db := pgtest.NewDB(t)
-	insertBacklogs(t, db.Pool, []backlog{{"orders", big, -time.Hour}, {"alerts", 5, -time.Second}})
-	mustExec(t, db.Pool, `ANALYZE deferred_key`)
-	lease := time.Minute
-	for _, share := range []int{10, 1} {
-		t.Run(fmt.Sprint("share ", share), func(t *testing.T) {
+	tests := []struct {
+		name     string
+		analyzed []backlog // inserted, then ANALYZE
+		later    []backlog // inserted after
+		share    int
+	}{
+		{"older due backlog of another target", []backlog{{"orders", big, -time.Hour}, {"alerts", 5, -time.Second}}, nil, 10},
+		{"older due backlog of another target, share 1", []backlog{{"orders", big, -time.Hour}, {"alerts", 5, -time.Second}}, nil, 1},
+		{"statistics know only the backlog's target", []backlog{{"orders", big, -time.Hour}}, []backlog{{"alerts", 5, -time.Second}}, 10},
+		{"far-future heads of the same targets", []backlog{{"orders", big, 7 * 24 * time.Hour}, {"alerts", big, 7 * 24 * time.Hour}},
+			[]backlog{{"alerts", 5, -time.Second}}, 10},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			db := pgtest.NewDB(t)
+			insertBacklogs(t, db.Pool, tt.analyzed)
+			mustExec(t, db.Pool, `ANALYZE deferred_key`)
+			insertBacklogs(t, db.Pool, tt.later)
 			read, scans := planRows(t, db.Pool, nil, statementSQL(t, "dispatch_claim.sql"),
-				10, lease, 10, "me", int64(keylock.DefaultMaxBytes), share)
+				10, time.Minute, 10, "me", int64(keylock.DefaultMaxBytes), tt.share)
 			// Two targets' first entries and the end of the loose scan, then
 			// at most share heads of each.
-			if limit := int64(3 + 2*share); read > limit {
-				t.Errorf("read %d rows of deferred_key, want at most %d behind a backlog of %d: %q", read, limit, big, scans)
+			if limit := int64(3 + 2*tt.share); read > limit {
+				t.Errorf("read %d rows of deferred_key, want at most %d: %q", read, limit, scans)
 			}
 			t.Logf("%q", scans)
+			// And it finds them.
+			claims, err := newLocker(t, db.Pool, "fair", time.Minute, 10).Claim(t.Context(), 10)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := takenByTarget(claims)["alerts"]; got != 5 {
+				t.Errorf("claim took %d heads of alerts, want its 5 due ones (took %v)", got, takenByTarget(claims))
+			}
 		})
 	}
 }

@@ -29,7 +29,16 @@
 --
 -- The targets come from a loose scan of deferred_key_target_due (one index
 -- probe per target that has heads there), so the claim costs a few probes
--- per target however long any target's backlog is.
+-- per target however long any target's backlog is. A target's own due
+-- heads could also be read from deferred_key_due, filtering by target; the
+-- planner takes that only when the due range is short, since its filter
+-- costs a heap read per other target's due head, which deferred_key_target_due's
+-- bound on head_target saves (TestClaimDoesNotWalkAnotherTargetsBacklog
+-- counts the rows read behind 50,000 heads of another target, with and
+-- without statistics that know the quiet target). The due-time test is the
+-- bare next_run_at <= now() on purpose: written as a row comparison on
+-- (head_target, next_run_at), PostgreSQL 15 did not end the index scan at
+-- now() and read every far-future head of the target.
 -- Heads of paused and rate-limited targets are flagged (deferred_key.throttled)
 -- and are not in deferred_key_target_due at all, so however large their
 -- backlog, this walks only heads that can go. The target_control check
@@ -87,12 +96,7 @@ WITH RECURSIVE targets (target) AS (
         FROM deferred_key k
         WHERE NOT k.throttled
           AND k.head_target = t.target
-          -- next_run_at <= now(), written so that only deferred_key_target_due
-          -- can bound the scan: deferred_key_due, which also holds these
-          -- heads in due order, would walk every other target's due heads
-          -- before this one's, and with the bare test the planner may
-          -- take either.
-          AND (k.head_target, k.next_run_at) <= (t.target, now())
+          AND k.next_run_at <= now()
           AND (k.leased_until IS NULL OR k.leased_until <= now())
         ORDER BY k.next_run_at
         LIMIT $6
