@@ -54,7 +54,8 @@ func TestSmokeRun(t *testing.T) {
 	for _, k := range []string{"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s",
 		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb", "large_ingest_mb_per_s",
 		"e2e_cpu_us_per_msg", "e2e_svc_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end",
-		"gate_off_msgs_per_s", "gate_on_msgs_per_s", "gate_blocked1_msgs_per_s", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms"} {
+		"gate_off_msgs_per_s", "gate_on_msgs_per_s", "gate_blocked1_msgs_per_s", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms",
+		"bare_msgs_per_s", "e2e_vs_bare", "bare_go_cpu_us_per_msg", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "dispatch_p64_msgs_per_s"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
 		}
@@ -74,12 +75,13 @@ func TestSmokeRun(t *testing.T) {
 		t.Errorf("backlog_rows = %v, want %d", vals["backlog_rows"], cfg.Backlog)
 	}
 	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE",
-		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "CONSOLE PAGES", "machine:", "speed:", "database: PostgreSQL"} {
+		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "CONSOLE PAGES", "machine:", "speed:", "database: PostgreSQL",
+		"PARTITIONS", "BARE DURABLE QUEUE"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
 		}
 	}
-	for _, name := range []string{"ceiling.cpu.pprof", "service_svc_own_0_ingest.cpu.pprof",
+	for _, name := range []string{"ceiling.cpu.pprof", "bare.cpu.pprof", "service_svc_own_0_p64_e2e.cpu.pprof", "service_svc_own_0_ingest.cpu.pprof",
 		"service_svc_own_0_dispatch.cpu.pprof", "service_svc_own_0_e2e.cpu.pprof"} {
 		if fi, err := os.Stat(filepath.Join(cfg.ProfileDir, name)); err != nil || fi.Size() == 0 {
 			t.Errorf("profile %s: %v (empty: %v)", name, err, err == nil)
@@ -153,6 +155,52 @@ func TestSmokeConsole(t *testing.T) {
 	}
 	if t.Failed() {
 		t.Logf("report:\n%s", report)
+	}
+}
+
+// BENCH_ONLY=bare and BENCH_ONLY=partitions in the smallest mode: each runs
+// the service's own-key scenario and its own part, and reports their
+// figures, with every message of the service delivered in per-key order.
+func TestSmokeOnlyDurability(t *testing.T) {
+	for _, tc := range []struct {
+		only    string
+		keys    []string
+		section string
+	}{
+		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare", "bare_go_cpu_us_per_msg"}, "BARE DURABLE QUEUE"},
+		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS"},
+	} {
+		t.Run(tc.only, func(t *testing.T) {
+			cfg := modes["smoke"]
+			cfg.Only = tc.only
+			cfg.DatabaseURL = pgtest.AdminURL(t)
+			var out, progress bytes.Buffer
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+			defer cancel()
+			if err := run(ctx, cfg, &out, &progress); err != nil {
+				t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
+			}
+			report := strings.TrimRight(out.String(), "\n")
+			lines := strings.Split(report, "\n")
+			vals, err := parseResult(lines[len(lines)-1])
+			if err != nil {
+				t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
+			}
+			for _, k := range tc.keys {
+				if vals[k] <= 0 {
+					t.Errorf("%s = %v, want a positive measurement", k, vals[k])
+				}
+			}
+			if vals["expected"] == 0 || vals["delivered"] != vals["expected"] || vals["out_of_order"] != 0 {
+				t.Errorf("delivered %v of %v messages, %v out of order", vals["delivered"], vals["expected"], vals["out_of_order"])
+			}
+			if !strings.Contains(report, tc.section) {
+				t.Errorf("report lacks %q", tc.section)
+			}
+			if t.Failed() {
+				t.Logf("report:\n%s", report)
+			}
+		})
 	}
 }
 
@@ -283,6 +331,8 @@ func TestConfigFromEnv(t *testing.T) {
 		{"N too small", []string{"BENCH_N=10"}, "", 0, "BENCH_N"},
 		{"only the gate", []string{"BENCH_QUICK=1", "BENCH_ONLY=gate"}, "quick", 20_000, ""},
 		{"only the console", []string{"BENCH_ONLY=console", "BENCH_CONSOLE_ROWS=5000"}, "full", 100_000, ""},
+		{"only the bare queue", []string{"BENCH_QUICK=1", "BENCH_ONLY=bare"}, "quick", 20_000, ""},
+		{"only the partitions", []string{"BENCH_SMOKE=1", "BENCH_ONLY=partitions"}, "smoke", 300, ""},
 		{"only what", []string{"BENCH_ONLY=river"}, "", 0, "BENCH_ONLY"},
 		{"console rows too few", []string{"BENCH_CONSOLE_ROWS=10"}, "", 0, "BENCH_CONSOLE_ROWS"},
 	} {

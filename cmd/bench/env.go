@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"runtime/pprof"
 	"strconv"
@@ -40,6 +41,7 @@ type postgres struct {
 	admin    *pgxpool.Pool
 	prefix   string // of every database the bench creates
 	tmpl     string
+	svcTmpl  string // the scheduler binary's own template; "" means tmpl
 
 	mu      sync.Mutex
 	created []string
@@ -141,11 +143,48 @@ type database struct {
 	pool *pgxpool.Pool
 }
 
-// fresh creates a database for one contender, cloned from the migrated
-// template, with a pool of dbMaxConns connections.
+// serviceTemplate makes the template of the service's databases: migrated
+// by bin's own `migrate`, so that a scheduler binary of another version
+// (BENCH_SCHEDULER) runs on its own schema, not on this tree's, which it
+// would refuse as newer or lack. The in-process contenders, built from this
+// tree, keep the template startPostgres migrated.
+func (p *postgres) serviceTemplate(ctx context.Context, bin string) error {
+	name := p.prefix + "svc_template"
+	if err := p.create(ctx, name, ""); err != nil {
+		return err
+	}
+	u, err := p.url(name)
+	if err != nil {
+		return err
+	}
+	cmd := exec.CommandContext(ctx, bin, "migrate")
+	cmd.Env = append(os.Environ(), "DATABASE_URL="+u)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("migrate the service's template database %s with %s migrate: %w\n%s", name, bin, err, out)
+	}
+	p.svcTmpl = name
+	return nil
+}
+
+// fresh creates a database for one in-process contender, cloned from the
+// migrated template, with a pool of dbMaxConns connections.
 func (p *postgres) fresh(ctx context.Context, label string) (*database, error) {
+	return p.freshFrom(ctx, label, p.tmpl)
+}
+
+// freshService is fresh for a database the scheduler binary runs on: cloned
+// from the template its own migrate made (serviceTemplate) when there is
+// one.
+func (p *postgres) freshService(ctx context.Context, label string) (*database, error) {
+	if p.svcTmpl == "" {
+		return p.freshFrom(ctx, label, p.tmpl)
+	}
+	return p.freshFrom(ctx, label, p.svcTmpl)
+}
+
+func (p *postgres) freshFrom(ctx context.Context, label, tmpl string) (*database, error) {
 	name := p.prefix + label
-	if err := p.create(ctx, name, p.tmpl); err != nil {
+	if err := p.create(ctx, name, tmpl); err != nil {
 		return nil, err
 	}
 	u, err := p.url(name)
@@ -280,11 +319,12 @@ type service struct {
 // the bench's environment requires, and waits until /readyz answers 200.
 //
 // With profile set the service also serves net/http/pprof (PPROF_ADDR), for
-// cpuProfile.
-func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer, profile bool) (*service, error) {
+// cpuProfile. env are further NAME=value settings a scenario measures the
+// service with (the scaling curves' DISPATCH_WORKERS).
+func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer, profile bool, env ...string) (*service, error) {
 	// Nothing inherited: the service sees its defaults and these only.
 	p, err := schedproc.Start(schedproc.Options{Bin: bin, Pprof: profile, Logs: logs, TailBytes: 64 << 10,
-		Env: []string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "TARGET_TOPICS=bench.*"}})
+		Env: append([]string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "TARGET_TOPICS=bench.*"}, env...)})
 	if err != nil {
 		return nil, err
 	}

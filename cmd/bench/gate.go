@@ -134,7 +134,7 @@ type gateResult struct {
 //     waits for ingest to store what was produced before it).
 func (b *bench) runGate(ctx context.Context) (res gateResult, err error) {
 	res.n = b.cfg.N
-	db, err := b.pg.fresh(ctx, "svc_gate")
+	db, err := b.pg.freshService(ctx, "svc_gate")
 	if err != nil {
 		return res, err
 	}

@@ -33,7 +33,7 @@ type largeResult struct {
 // the process's peak RSS beside the small-message scenarios'.
 func (b *bench) runLarge(ctx context.Context) (res largeResult, err error) {
 	res.n = b.cfg.Large
-	db, err := b.pg.fresh(ctx, "svc_large")
+	db, err := b.pg.freshService(ctx, "svc_large")
 	if err != nil {
 		return res, err
 	}

@@ -321,7 +321,9 @@ type delivery struct {
 }
 
 // readBack reads every record of topic, in partition order, after the
-// measurement (so it costs the contenders nothing).
+// measurement (so it costs the contenders nothing). The partitions are read
+// at once: one after the other, each costs a few round trips and a fetch
+// wait, which on 64 partitions made a topic take seconds.
 func readBack(ctx context.Context, addr, topic string) ([]delivery, error) {
 	c := kafkaConfig()
 	c.Consumer.Fetch.Default = 4 << 20
@@ -340,46 +342,57 @@ func readBack(ctx context.Context, addr, topic string) ([]delivery, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read back %s: %w", topic, err)
 	}
+	byPart := make([][]delivery, len(parts))
+	errs := make([]error, len(parts))
+	var wg sync.WaitGroup
+	for i, p := range parts {
+		wg.Go(func() { byPart[i], errs[i] = readPartition(ctx, client, consumer, topic, p) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
 	var out []delivery
-	for _, p := range parts {
-		hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
-		}
-		if hwm == 0 {
-			continue
-		}
-		pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
-		if err != nil {
-			return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
-		}
-		err = func() error {
-			defer pc.Close()
-			for {
-				select {
-				case m := <-pc.Messages():
-					d, err := parseDelivery(m)
-					if err != nil {
-						return fmt.Errorf("read back %s/%d offset %d: %w", topic, p, m.Offset, err)
-					}
-					out = append(out, d)
-					if m.Offset >= hwm-1 {
-						return nil
-					}
-				case err := <-pc.Errors():
-					return fmt.Errorf("read back %s/%d: %w", topic, p, err)
-				case <-ctx.Done():
-					return ctx.Err()
-				case <-time.After(30 * time.Second):
-					return fmt.Errorf("read back %s/%d: nothing for 30s", topic, p)
-				}
-			}
-		}()
-		if err != nil {
-			return nil, err
-		}
+	for _, ds := range byPart {
+		out = append(out, ds...)
 	}
 	return out, nil
+}
+
+// readPartition reads every record of partition p of topic, for readBack.
+func readPartition(ctx context.Context, client sarama.Client, consumer sarama.Consumer, topic string, p int32) ([]delivery, error) {
+	hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+	if err != nil {
+		return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
+	}
+	if hwm == 0 {
+		return nil, nil
+	}
+	pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+	if err != nil {
+		return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
+	}
+	defer pc.Close()
+	var out []delivery
+	for {
+		select {
+		case m := <-pc.Messages():
+			d, err := parseDelivery(m)
+			if err != nil {
+				return nil, fmt.Errorf("read back %s/%d offset %d: %w", topic, p, m.Offset, err)
+			}
+			out = append(out, d)
+			if m.Offset >= hwm-1 {
+				return out, nil
+			}
+		case err := <-pc.Errors():
+			return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(30 * time.Second):
+			return nil, fmt.Errorf("read back %s/%d: nothing for 30s", topic, p)
+		}
+	}
 }
 
 func parseDelivery(m *sarama.ConsumerMessage) (delivery, error) {

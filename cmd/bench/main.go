@@ -6,12 +6,16 @@
 //     (kfake): ingest, dispatch and end-to-end throughput for three key
 //     shapes, with and without a backlog of far-future rows, dispatch
 //     lateness at a fixed offered load, and the process's memory, also
-//     with a backlog of records near Kafka's 1 MB limit;
+//     with a backlog of records near Kafka's 1 MB limit; the own-key
+//     scenario again with 64 partitions per topic;
 //   - the database ceiling: the service's own SQL (ingest.Store.Insert,
 //     keylock.Locker Claim and Finalize) with no Kafka at all;
 //   - the broker ceiling: sarama producing the same records to the same
 //     broker;
 //   - River alone, one job per message, as a user would build it instead;
+//   - a bare durable queue (one table, written once and deleted once per
+//     message, with the service's Kafka clients): what durability alone
+//     costs;
 //   - the "1,000 messages/s" figure often quoted for database-backed queues;
 //   - the key gate of the client library (deferclient): a consumer's
 //     throughput with the gate off and on, the key-state query's latency,
@@ -29,7 +33,15 @@
 // soon a key flows again after its commit) and reports only its figures;
 // BENCH_ONLY=console only the console scenario (console.go: the operator
 // console's pages against a production-shaped database of a million
-// messages, p50/p95/max each against a 250 ms p95 budget).
+// messages, p50/p95/max each against a 250 ms p95 budget);
+// BENCH_ONLY=bare the service's own-key scenario and the bare durable queue
+// (bare.go: what durability alone costs), BENCH_ONLY=partitions the
+// own-key scenario on 4 and on 64 partitions. BENCH_ONLY=fair runs only the
+// fairness scenario (fair.go: a quiet target's lateness while another
+// target's backlog of a million messages drains; the full run has it too),
+// BENCH_ONLY=scale only the scaling curves (scale.go: end-to-end
+// throughput against dispatch loops, replicas and far-future rows up to
+// ten million; in no other run).
 // It uses DATABASE_URL's server when set (creating and dropping
 // databases of its own there), else a throwaway cluster from
 // internal/pglocal. See docs/benchmarks.md.
@@ -91,6 +103,14 @@ type config struct {
 	// ConsoleRows is the number of messages the console scenario seeds;
 	// ConsoleRequests how many times it requests each page.
 	ConsoleRows, ConsoleRequests int
+	// FairBacklog is the number of messages of the target whose backlog
+	// drains in the fairness scenario (fair.go), FairRate the records a
+	// second the quiet target gets meanwhile.
+	FairBacklog, FairRate int
+	// ScaleLoops, ScaleReplicas and ScaleBacklogs are the points of the
+	// scaling curves (scale.go): dispatch loops of one replica
+	// (DISPATCH_WORKERS), replicas, far-future rows.
+	ScaleLoops, ScaleReplicas, ScaleBacklogs []int
 	// Only names the one scenario to run ("gate" or "console"); "" runs them
 	// all.
 	Only string
@@ -100,6 +120,8 @@ type config struct {
 	// throwaway cluster.
 	DatabaseURL string
 	// SchedulerBin is a built scheduler binary; "" builds ./cmd/scheduler.
+	// Its databases come from a template its own `migrate` made, so that a
+	// binary of another version can be measured with this bench.
 	SchedulerBin string
 	// ProfileDir, when set, receives CPU profiles of the in-process
 	// contenders (ceiling, broker, River) and, from a throwaway cluster, the
@@ -123,13 +145,19 @@ const (
 var modes = map[string]config{
 	"full": {Mode: "full", N: 100_000, Warmup: 2_000, Backlog: 1_000_000,
 		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Large: 400, Partitions: 4,
+		FairBacklog: 1_000_000, FairRate: 100,
+		ScaleLoops: []int{1, 2, 4}, ScaleReplicas: []int{1, 2, 4}, ScaleBacklogs: []int{0, 1_000_000, 10_000_000},
 		GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 1_000_000, ConsoleRequests: 20, SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
 		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Large: 200, Partitions: 4,
+		FairBacklog: 200_000, FairRate: 100,
+		ScaleLoops: []int{1, 2, 4}, ScaleReplicas: []int{1, 2, 4}, ScaleBacklogs: []int{0, 250_000, 1_000_000},
 		GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 250_000, ConsoleRequests: 10, SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
 		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Large: 6, Partitions: 4,
+		FairBacklog: 2_000, FairRate: 100,
+		ScaleLoops: []int{1, 4}, ScaleReplicas: []int{1, 2}, ScaleBacklogs: []int{0, 10_000},
 		GateCalls: 20, GateRate: 300, GateRelease: 20, ConsoleRows: 20_000, ConsoleRequests: 2, SpeedProbe: 50 * time.Millisecond},
 }
 
@@ -189,10 +217,11 @@ func configFromEnv(environ []string) (config, error) {
 		cfg.ConsoleRows = n
 	}
 	switch v := env["BENCH_ONLY"]; v {
-	case "", onlyGate, onlyConsole:
+	case "", onlyGate, onlyConsole, onlyBare, onlyPartitions, onlyFair, onlyScale:
 		cfg.Only = v
 	default:
-		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q, %q or nothing", v, onlyGate, onlyConsole)
+		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q, %q, %q, %q, %q, %q or nothing", v, onlyGate, onlyConsole, onlyBare, onlyPartitions,
+			onlyFair, onlyScale)
 	}
 	cfg.DatabaseURL = env["DATABASE_URL"]
 	cfg.SchedulerBin = env["BENCH_SCHEDULER"]

@@ -79,6 +79,15 @@ type results struct {
 	ceiling              ceilingResult
 	broker               brokerResult
 	river                riverResult
+	// wide is the own-key scenario on widePartitions partitions, nil when
+	// not run; bare the bare durable queue (bare.go), zero when not run.
+	wide *scenario
+	bare bareResult
+
+	// fair is the fairness scenario (fair.go); scale the scaling curves
+	// (scale.go), zero unless BENCH_ONLY=scale.
+	fair  fairResult
+	scale scaleResult
 }
 
 // run performs a whole benchmark and writes the report to out, progress to
@@ -112,6 +121,11 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		}
 		err = errors.Join(err, b.pg.close(context.WithoutCancel(ctx), saveLog))
 	}()
+	if cfg.SchedulerBin != "" {
+		if err := b.pg.serviceTemplate(ctx, b.bin); err != nil {
+			return err
+		}
+	}
 	b.pmPID = b.pg.postmasterPID(ctx)
 	pgInfo := b.pg.serverInfo(ctx)
 	finish := func() {
@@ -153,6 +167,24 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		}
 		finish()
 		return nil
+	case onlyFair:
+		if err := b.runFairness(ctx, res); err != nil {
+			return err
+		}
+		finish()
+		return nil
+	case onlyScale:
+		if res.scale, err = b.runScale(ctx); err != nil {
+			return err
+		}
+		finish()
+		return nil
+	case onlyBare, onlyPartitions:
+		if err := b.runOnlyDurability(ctx, res); err != nil {
+			return err
+		}
+		finish()
+		return nil
 	}
 
 	for _, s := range []struct {
@@ -168,12 +200,19 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		b.say("  ingest %.0f/s, dispatch %.0f/s, end to end %.0f/s", sc.ingest.perSecond(), sc.dispatch.perSecond(), sc.e2e.perSecond())
 		res.scenarios = append(res.scenarios, sc)
 	}
+	if err := b.runWide(ctx, res); err != nil {
+		return err
+	}
 
 	b.say("scheduler: %d records of %d bytes", cfg.Large, largeSize)
 	if res.large, err = b.runLarge(ctx); err != nil {
 		return fmt.Errorf("scheduler, large records: %w", err)
 	}
 	b.say("  peak RSS %.1f MB", float64(res.large.hwm)/(1<<20))
+
+	if err := b.runFairness(ctx, res); err != nil {
+		return err
+	}
 
 	if err := gate(); err != nil {
 		return err
@@ -210,6 +249,10 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		return fmt.Errorf("the River contender: %w", err)
 	}
 	b.say("  %.0f/s", res.river.e2e.perSecond())
+
+	if err := b.runBareContender(ctx, res); err != nil {
+		return fmt.Errorf("the bare queue: %w", err)
+	}
 
 	finish()
 	return nil
@@ -318,6 +361,9 @@ var requiredKeys = []string{
 	"delivered", "expected", "out_of_order",
 	"gate_on_vs_off", "gate_blocked1_vs_off", "gate_p99_ms", "gate_busy_p99_ms", "release_p50_ms", "release_p99_ms",
 	"console_rows", "console_worst_p95_ms", "console_pages_over_budget",
+	"bare_msgs_per_s", "e2e_vs_bare", "bare_pg_cpu_us_per_msg", "bare_go_cpu_us_per_msg",
+	"e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4",
+	"fair_quiet_p99_ms", "fair_quiet_p50_ms", "fair_backlog_msgs_per_s",
 }
 
 func (r *results) summary() *summary {
@@ -335,12 +381,36 @@ func (r *results) summary() *summary {
 		s.set("cpu_speed_end", r.speedEnd)
 		return s
 	}
+	if r.cfg.Only == onlyBare || r.cfg.Only == onlyPartitions {
+		r.summarizeOnlyDurability(s)
+		return s
+	}
+	if r.cfg.Only == onlyFair || r.cfg.Only == onlyScale {
+		if r.cfg.Only == onlyFair {
+			r.fair.summarize(s)
+		} else {
+			r.scale.summarize(s)
+			s.set("messages_per_phase", float64(r.cfg.N))
+		}
+		s.set("cpu_speed_start", r.speedStart)
+		s.set("cpu_speed_end", r.speedEnd)
+		return s
+	}
 	own, hot, single, backlog := r.scenarios[0], r.scenarios[1], r.scenarios[2], r.scenarios[3]
 	var hwm int64
 	var delivered, expected, outOfOrder, dupes int
 	for _, sc := range r.scenarios {
 		hwm = max(hwm, sc.hwm)
 		for _, c := range sc.checks {
+			delivered += c.delivered
+			expected += c.expected
+			outOfOrder += c.outOfOrder
+			dupes += c.duplicates
+		}
+	}
+	if r.wide != nil {
+		// Checked as the others; its memory is p64_rss_mb.
+		for _, c := range r.wide.checks {
 			delivered += c.delivered
 			expected += c.expected
 			outOfOrder += c.outOfOrder
@@ -380,6 +450,8 @@ func (r *results) summary() *summary {
 	s.set("e2e_cpu_us_per_msg", perMsg(cpu.service+cpu.postgres+cpu.bench))
 	s.set("e2e_pg_cpu_us_per_msg", perMsg(cpu.postgres))
 	s.set("e2e_svc_cpu_us_per_msg", perMsg(cpu.service))
+	r.summarizeDurability(s)
+	r.fair.summarize(s)
 	r.gate.summarize(s)
 	r.console.summarize(s)
 	s.set("cpu_speed_start", r.speedStart)
@@ -399,7 +471,7 @@ func (s *summary) resultLine() string {
 	for _, k := range s.keys {
 		v := s.vals[k]
 		prec := 0
-		if strings.HasSuffix(k, "_ms") || strings.HasSuffix(k, "_mb") || strings.HasPrefix(k, "cpu_speed_") {
+		if strings.HasSuffix(k, "_ms") || strings.HasSuffix(k, "_mb") || strings.HasPrefix(k, "cpu_speed_") || strings.HasSuffix(k, "_speed") {
 			prec = 1
 		} else if strings.Contains(k, "_vs_") {
 			prec = 3
@@ -412,6 +484,18 @@ func (s *summary) resultLine() string {
 func (r *results) write(w io.Writer) {
 	s := r.summary()
 	cfg := r.cfg
+	if cfg.Only == onlyBare || cfg.Only == onlyPartitions {
+		r.writeOnlyDurability(w, s)
+		return
+	}
+	if cfg.Only == onlyFair {
+		r.writeOnlyFair(w, s)
+		return
+	}
+	if cfg.Only == onlyScale {
+		r.writeOnlyScale(w, s)
+		return
+	}
 	if cfg.Only == onlyGate {
 		fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s, the key gate scenario alone (BENCH_ONLY=gate): %s records, %d partitions per topic\n",
 			cfg.Mode, group(float64(cfg.N)), cfg.Partitions)
@@ -465,6 +549,7 @@ func (r *results) write(w io.Writer) {
 	row("broker", "service's producer", "own", 0, r.broker.sync)
 	row("broker", "async producer", "own", 0, r.broker.async)
 	row("River", "end to end", "own", 0, r.river.e2e)
+	r.durabilityRows(row)
 	row("reference", "\"1,000 msgs/s\"", "", 0, rate{n: 1000, wall: time.Second})
 	tw.Flush()
 	fmt.Fprintln(w, "ingest is timed from 10% to 100% of a backlog produced before the service starts (its CPU columns include the")
@@ -511,6 +596,9 @@ func (r *results) write(w io.Writer) {
 	fmt.Fprintf(w, "all stored in %.2fs (%.0f MB/s), the due half on its target after %.2fs.\n",
 		r.large.ingest.wall.Seconds(), s.vals["large_ingest_mb_per_s"], r.large.dispatch.wall.Seconds())
 
+	r.writeDurability(w, s.vals)
+	r.fair.write(w)
+
 	r.gate.write(w, s.vals)
 	r.console.write(w, cfg.ConsoleRequests)
 
@@ -532,6 +620,7 @@ func (r *results) write(w io.Writer) {
 		v["large_rss_mb"]*(1<<20) <= 256_000_000)
 	gateTargets(target, v)
 	consoleTargets(target, v)
+	fairTargets(target, v)
 	tw.Flush()
 
 	// What the throughput target asks of the CPU, in the units the

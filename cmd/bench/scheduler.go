@@ -46,6 +46,8 @@ type scenario struct {
 	late     *latencies // nil unless measured
 	hwm, rss int64      // the service's peak and final resident set
 	checks   []check
+	// partitions of every topic of the scenario.
+	partitions int32
 }
 
 // runScheduler runs one scenario against the real service: a fresh database
@@ -65,11 +67,21 @@ type scenario struct {
 //     (defer.scheduled-at).
 //
 // Every phase's target topic is then read back: every message must be
-// there, in per-key order.
+// there, in per-key order. Every topic has the run's partitions.
 func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bool) (sc scenario, err error) {
-	sc = scenario{shape: sh, backlog: backlog}
+	return b.runSchedulerOn(ctx, sh, backlog, late, b.cfg.Partitions)
+}
+
+// runSchedulerOn is runScheduler with every topic on the given partitions.
+func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late bool, partitions int32) (sc scenario, err error) {
+	sc = scenario{shape: sh, backlog: backlog, partitions: partitions}
 	label := fmt.Sprintf("svc_%s_%d", sh.name, backlog)
-	db, err := b.pg.fresh(ctx, label)
+	if partitions != b.cfg.Partitions {
+		// Its own database and profiles, apart from the scenario's on the
+		// run's partitions.
+		label += fmt.Sprintf("_p%d", partitions)
+	}
+	db, err := b.pg.freshService(ctx, label)
 	if err != nil {
 		return sc, err
 	}
@@ -83,7 +95,7 @@ func (b *bench) runScheduler(ctx context.Context, sh shape, backlog int, late bo
 		sc.fill = time.Since(start)
 	}
 
-	kc, addr, err := startKafka(b.cfg.Partitions, deferTopic, topicWarmup, topicDispatch, topicE2E, topicLate)
+	kc, addr, err := startKafka(partitions, deferTopic, topicWarmup, topicDispatch, topicE2E, topicLate)
 	if err != nil {
 		return sc, err
 	}

@@ -1,0 +1,402 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"github.com/IBM/sarama"
+	"github.com/jackc/pgx/v5"
+)
+
+// The fairness scenario's targets: one whose backlog drains, and a quiet one
+// whose records come in meanwhile. TARGET_TOPICS=bench.* allows both.
+const (
+	topicFairBacklog = "bench.fair.orders"
+	topicFairQuiet   = "bench.fair.alerts"
+)
+
+// fairAside is how long the quiet target's records come alone before the
+// backlog is made due (what its lateness is with nothing else due: the
+// path from the defer topic to the target), and how long they keep coming
+// after the backlog is on its target (so that the stream does not end with
+// the drain).
+const fairAside = 2 * time.Second
+
+// fairResult is what the fairness scenario measured.
+type fairResult struct {
+	backlog  int           // messages of the draining target
+	rate     int           // quiet records offered per second
+	fill     time.Duration // inserting the backlog
+	expedite time.Duration // the UPDATE that made it due, before the clock starts
+	speed    float64       // cpuSpeed right before the service started
+	// drain is the backlog, from the UPDATE's commit to its last message on
+	// its target.
+	drain rate
+	// The quiet target's records: due before the backlog was made due
+	// (alone), from then until it was on its target (during), and after.
+	alone, during, after latencies
+	// checks are the read back of the warm-up's, the backlog's and the
+	// quiet target's topics.
+	checks []check
+}
+
+// runFair measures fairness between targets: a backlog of FairBacklog
+// messages of one target (own keys) all become due at the same moment, and
+// from then on a quiet target receives FairRate records a second, due on
+// arrival, until the backlog is on its target and fairAside more (and for
+// fairAside before, alone, for comparison). A service that takes due heads
+// in due-time order across all targets makes every quiet record wait for
+// the whole backlog; the figures say how long.
+//
+// The backlog is inserted with SQL as fillBacklog does (ingesting a million
+// records would take longer than draining them), due in a week, with the
+// service running and idle; one SQL UPDATE of deferred_message (an
+// operator's expedite, as in runScheduler's dispatch phase; the triggers
+// move the key heads) then makes it due at once. The drain is timed from
+// the UPDATE's commit, when the rows become visible as due, to the last
+// message on its target; each quiet record's lateness is its publish time
+// (the record timestamp, set by the scheduler's producer) minus its due
+// time (defer.scheduled-at, the defer.at it was sent with: its send time).
+// Both targets are then read back: every message there once, in per-key
+// order, and nothing left pending.
+func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
+	res = fairResult{backlog: b.cfg.FairBacklog, rate: b.cfg.FairRate}
+	db, err := b.pg.freshService(ctx, "svc_fair")
+	if err != nil {
+		return res, err
+	}
+	defer func() { err = errors.Join(err, b.pg.drop(context.WithoutCancel(ctx), db)) }()
+	b.say("  inserting %d rows for %s with SQL, due in a week", res.backlog, topicFairBacklog)
+	start := time.Now()
+	if err := fillTarget(ctx, db, res.backlog, topicFairBacklog, "fair-"); err != nil {
+		return res, err
+	}
+	res.fill = time.Since(start)
+
+	kc, addr, err := startKafka(b.cfg.Partitions, deferTopic, topicWarmup, topicFairBacklog, topicFairQuiet)
+	if err != nil {
+		return res, err
+	}
+	defer kc.Close()
+	lp, err := newLoadProducer(addr)
+	if err != nil {
+		return res, err
+	}
+	defer lp.close()
+	w, err := newWatcher(addr)
+	if err != nil {
+		return res, err
+	}
+	defer w.close()
+
+	// The machine's speed before the service starts: a service that burns
+	// CPU while idle (a claim walking the backlog's heads while they are
+	// not due) must show in its own figures, not pass for a slow machine.
+	res.speed = cpuSpeed(b.cfg.SpeedProbe)
+	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, false)
+	if err != nil {
+		return res, err
+	}
+	stopped := false
+	defer func() {
+		if !stopped {
+			svc.Kill()
+		}
+	}()
+	pid := svc.Pid()
+	// The warm-up's records go through ingest and dispatch first, so that
+	// the first quiet record does not pay for the service's first round.
+	warm := b.cfg.Warmup
+	if _, _, err := produceAll(ctx, lp, warm, func(i int) *sarama.ProducerMessage {
+		return deferRecord(ownKeys.key("w", i), i, topicWarmup, when{})
+	}); err != nil {
+		return res, err
+	}
+	if _, err := track(ctx, "warm-up delivery", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(warm), timeoutFor(warm)); err != nil {
+		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	}
+	// The quiet target alone, its records delivered before the backlog is
+	// made due.
+	nAlone, err := producePaced(ctx, lp, res.rate, fairAside, func(i int, now time.Time) *sarama.ProducerMessage {
+		return deferRecord(ownKeys.key("q", i), i, topicFairQuiet, when{at: now})
+	})
+	if err != nil {
+		return res, err
+	}
+	if _, err := track(ctx, "quiet target alone", func() (int64, error) { return w.count(topicFairQuiet) }, 0, int64(nAlone), timeoutFor(nAlone)); err != nil {
+		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	}
+
+	b.say("  making the %d rows due with one SQL UPDATE, %d quiet records/s from its commit", res.backlog, res.rate)
+	updating := time.Now()
+	tag, err := db.pool.Exec(ctx, `UPDATE deferred_message SET next_run_at = now()
+		WHERE target_topic = $1 AND state = 'pending'`, topicFairBacklog)
+	if err != nil {
+		return res, fmt.Errorf("make %s's backlog due: %w", topicFairBacklog, err)
+	}
+	t0 := time.Now()
+	res.expedite = t0.Sub(updating)
+	cpu0 := b.cpu(pid)
+	if tag.RowsAffected() != int64(res.backlog) {
+		return res, fmt.Errorf("make %s's backlog due: %d rows pending, want %d", topicFairBacklog, tag.RowsAffected(), res.backlog)
+	}
+	stop := make(chan struct{})
+	type produced struct {
+		n   int
+		err error
+	}
+	quiet := make(chan produced, 1)
+	go func() {
+		n, err := producePacedUntil(ctx, lp, res.rate, stop, func(i int, now time.Time) *sarama.ProducerMessage {
+			return deferRecord(ownKeys.key("q", nAlone+i), nAlone+i, topicFairQuiet, when{at: now})
+		})
+		quiet <- produced{nAlone + n, err}
+	}()
+	// The quiet producer stops on every path out, so that its goroutine
+	// never outlives the producer it sends through.
+	var q *produced
+	endQuiet := func() produced {
+		if q == nil {
+			close(stop)
+			p := <-quiet
+			q = &p
+		}
+		return *q
+	}
+	defer endQuiet()
+	pr, err := track(ctx, "backlog drain", func() (int64, error) { return w.count(topicFairBacklog) }, 0, int64(res.backlog), timeoutFor(res.backlog))
+	if err != nil {
+		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	}
+	res.drain = rate{n: int64(res.backlog), wall: pr.doneAt.Sub(t0), cpu: b.cpu(pid).sub(cpu0)}
+	drained := pr.doneAt
+	select {
+	case <-time.After(fairAside):
+	case <-ctx.Done():
+		return res, ctx.Err()
+	}
+	sent := endQuiet()
+	if sent.err != nil {
+		return res, sent.err
+	}
+	if _, err := track(ctx, "quiet target", func() (int64, error) { return w.count(topicFairQuiet) }, 0, int64(sent.n), timeoutFor(sent.n)); err != nil {
+		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	}
+	stopped = true
+	if err := svc.Stop(time.Minute); err != nil {
+		return res, err
+	}
+
+	// Checks, after the service is gone.
+	for _, ph := range []phaseTopic{{topicWarmup, warm}, {topicFairBacklog, res.backlog}, {topicFairQuiet, sent.n}} {
+		ds, err := readBack(ctx, addr, ph.topic)
+		if err != nil {
+			return res, err
+		}
+		c := verify(ds, ph.n)
+		res.checks = append(res.checks, c)
+		if err := c.err("scheduler, fairness, " + ph.topic); err != nil {
+			return res, err
+		}
+		if ph.topic != topicFairQuiet {
+			continue
+		}
+		ls, err := lateness(ds)
+		if err != nil {
+			return res, err
+		}
+		var alone, during, after []time.Duration
+		for i, d := range ds {
+			switch {
+			case d.scheduledAt.Before(t0):
+				alone = append(alone, ls[i])
+			case !d.scheduledAt.After(drained):
+				during = append(during, ls[i])
+			default:
+				after = append(after, ls[i])
+			}
+		}
+		of := func(ls []time.Duration, d time.Duration) latencies {
+			return latencies{offered: res.rate, sent: len(ls), sendFor: d,
+				p50: percentile(ls, 0.50), p99: percentile(ls, 0.99), max: percentile(ls, 1)}
+		}
+		res.alone, res.during, res.after = of(alone, fairAside), of(during, drained.Sub(t0)), of(after, fairAside)
+	}
+	var left int64
+	if err := db.pool.QueryRow(ctx, "SELECT count(*) FROM deferred_message WHERE state = 'pending'").Scan(&left); err != nil {
+		return res, fmt.Errorf("count rows left pending: %w", err)
+	}
+	if left > 0 {
+		return res, fmt.Errorf("scheduler, fairness: %d published rows still pending after a clean stop", left)
+	}
+	return res, nil
+}
+
+// fillTarget inserts n rows for target with SQL the way fillBacklog does
+// (chunks of 100,000, each on a new connection after ANALYZE, so that the
+// statement-level triggers build the key heads and history as for ingest;
+// VACUUM ANALYZE at the end), but as messages that can be delivered and
+// checked: row i (0..n-1) is business key and record key prefix+i, with
+// payload(i)'s value. They are due in a week; the scenario makes them due.
+func fillTarget(ctx context.Context, db *database, n int, target, prefix string) error {
+	const chunk = 100_000
+	for from := 0; from < n; from += chunk {
+		to := min(from+chunk, n) - 1
+		if err := fillTargetChunk(ctx, db.url, from, to, target, prefix); err != nil {
+			return err
+		}
+	}
+	if _, err := db.pool.Exec(ctx, "VACUUM ANALYZE"); err != nil {
+		return fmt.Errorf("vacuum analyze after %s's rows: %w", target, err)
+	}
+	return nil
+}
+
+func fillTargetChunk(ctx context.Context, url string, from, to int, target, prefix string) error {
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		return fmt.Errorf("insert %s's rows %d..%d: %w", target, from, to, err)
+	}
+	defer conn.Close(context.WithoutCancel(ctx))
+	if _, err := conn.Exec(ctx, "ANALYZE"); err != nil {
+		return fmt.Errorf("analyze before %s's rows %d..%d: %w", target, from, to, err)
+	}
+	// The source coordinates are a topic nothing consumes, so that they
+	// never meet an ingested record's.
+	_, err = conn.Exec(ctx, `
+INSERT INTO deferred_message (source_topic, source_partition, source_offset, business_key, target_topic,
+    next_run_at, attempt, error_class, key, value, header_keys, header_values)
+SELECT $3::text || '.fill', 0, g, $4::text || g, $3::text,
+    now() + interval '7 days', 0, 'ProviderTimeout',
+    convert_to($4::text || g, 'UTF8'), convert_to(lpad(g::text, 9, '0') || '|' || repeat('x', 118), 'UTF8'),
+    ARRAY['trace-id', 'defer.target', 'defer.error.class', 'defer.delay'],
+    ARRAY['4bf92f3577b34da6a3ce929d0e0e4736'::bytea, convert_to($3::text, 'UTF8'), 'ProviderTimeout'::bytea, '168h'::bytea]
+FROM generate_series($1::bigint, $2::bigint) AS g
+ORDER BY g`, from, to, target, prefix)
+	if err != nil {
+		return fmt.Errorf("insert %s's rows %d..%d: %w", target, from, to, err)
+	}
+	return nil
+}
+
+// producePacedUntil sends records at rate per second, spread as
+// producePaced spreads them, until stop is closed, and waits for their
+// acknowledgements. It returns how many it sent.
+func producePacedUntil(ctx context.Context, lp *loadProducer, rate int, stop <-chan struct{}, mk func(i int, now time.Time) *sarama.ProducerMessage) (int, error) {
+	lp.mu.Lock()
+	base := lp.acked
+	lp.mu.Unlock()
+	start := time.Now()
+	sent := 0
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for {
+		now := time.Now()
+		want := int(float64(rate) * now.Sub(start).Seconds())
+		for ; sent < want; sent++ {
+			if err := lp.send(ctx, mk(sent, now)); err != nil {
+				return sent, err
+			}
+		}
+		select {
+		case <-tick.C:
+		case <-stop:
+			return sent, lp.waitAcked(ctx, base+int64(sent))
+		case <-ctx.Done():
+			return sent, ctx.Err()
+		}
+	}
+}
+
+func (f fairResult) summarize(s *summary) {
+	s.set("fair_quiet_p99_ms", ms(f.during.p99))
+	s.set("fair_quiet_p50_ms", ms(f.during.p50))
+	s.set("fair_quiet_max_ms", ms(f.during.max))
+	s.set("fair_quiet_msgs", float64(f.during.sent))
+	s.set("fair_quiet_alone_p50_ms", ms(f.alone.p50))
+	s.set("fair_quiet_alone_p99_ms", ms(f.alone.p99))
+	s.set("fair_quiet_after_p99_ms", ms(f.after.p99))
+	s.set("fair_backlog_msgs_per_s", f.drain.perSecond())
+	s.set("fair_backlog_msgs", float64(f.backlog))
+	s.set("fair_expedite_ms", ms(f.expedite))
+	s.set("fair_cpu_speed", f.speed)
+	var delivered, expected, outOfOrder int
+	for _, c := range f.checks {
+		delivered += c.delivered
+		expected += c.expected
+		outOfOrder += c.outOfOrder
+	}
+	s.set("fair_delivered", float64(delivered))
+	s.set("fair_expected", float64(expected))
+	s.set("fair_out_of_order", float64(outOfOrder))
+}
+
+// fairTargets writes the issue's bar: the quiet target on time while the
+// other drains.
+func fairTargets(target func(what, got, want string, ok bool), v map[string]float64) {
+	target(fmt.Sprintf("quiet target p99 lateness while another drains %s", group(v["fair_backlog_msgs"])),
+		fmt.Sprintf("%.1f ms", v["fair_quiet_p99_ms"]), "<= 100 ms", v["fair_quiet_p99_ms"] <= 100)
+}
+
+func (f fairResult) write(w io.Writer) {
+	fmt.Fprintf(w, "\nFAIRNESS BETWEEN TARGETS: %s messages of %s (own keys), inserted with SQL due in a week, made due at once\n",
+		group(float64(f.backlog)), topicFairBacklog)
+	fmt.Fprintf(w, "by one SQL UPDATE. %s gets %d msgs/s (own keys) due on arrival (defer.at = send time): alone for %v, then from\n",
+		topicFairQuiet, f.rate, fairAside)
+	fmt.Fprintf(w, "the UPDATE's commit until the backlog is on its target, and %v more. Lateness: record timestamp set by the publisher\n", fairAside)
+	fmt.Fprintln(w, "minus defer.scheduled-at, so it includes the way through the defer topic and ingest.")
+	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "target\tmessages\tmsgs\twall\tmsgs/s\tp50\tp99\tmax\t")
+	fmt.Fprintf(tw, "%s\tbacklog, made due at once\t%s\t%.2fs\t%s\t\t\t\t\n", topicFairBacklog, group(float64(f.backlog)),
+		f.drain.wall.Seconds(), group(f.drain.perSecond()))
+	for _, l := range []struct {
+		what string
+		l    latencies
+	}{{fmt.Sprintf("alone, %v before", fairAside), f.alone}, {"due during the drain", f.during}, {fmt.Sprintf("%v after the drain", fairAside), f.after}} {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t\t\t%.1fms\t%.1fms\t%.1fms\t\n", topicFairQuiet, l.what, group(float64(l.l.sent)),
+			ms(l.l.p50), ms(l.l.p99), ms(l.l.max))
+	}
+	tw.Flush()
+	fmt.Fprintf(w, "Inserting the backlog took %.1fs and the UPDATE %.1fs, both before the drain's clock starts. CPU during the drain:\n",
+		f.fill.Seconds(), f.expedite.Seconds())
+	fmt.Fprintf(w, "service %.1fs, Postgres %.1fs, this process %.1fs; one core sorted %.1f M integers/s before the service started.\n",
+		f.drain.cpu.service.Seconds(), f.drain.cpu.postgres.Seconds(), f.drain.cpu.bench.Seconds(), f.speed)
+}
+
+// onlyFair is BENCH_ONLY's value for the fairness scenario alone.
+const onlyFair = "fair"
+
+// runFairness runs the fairness scenario into res.
+func (b *bench) runFairness(ctx context.Context, res *results) error {
+	b.say("fairness: %d messages of %s made due at once, %d msgs/s of %s meanwhile", b.cfg.FairBacklog, topicFairBacklog,
+		b.cfg.FairRate, topicFairQuiet)
+	f, err := b.runFair(ctx)
+	if err != nil {
+		return fmt.Errorf("scheduler, fairness: %w", err)
+	}
+	res.fair = f
+	b.say("  backlog drained at %.0f msgs/s; quiet target p50 %.1fms, p99 %.1fms, max %.1fms", f.drain.perSecond(),
+		ms(f.during.p50), ms(f.during.p99), ms(f.during.max))
+	return nil
+}
+
+// writeOnlyFair writes the report of BENCH_ONLY=fair.
+func (r *results) writeOnlyFair(w io.Writer, s *summary) {
+	fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s, the fairness scenario alone (BENCH_ONLY=fair), %d partitions per topic\n",
+		r.cfg.Mode, r.cfg.Partitions)
+	for _, m := range r.machine {
+		fmt.Fprintln(w, m)
+	}
+	r.fair.write(w)
+	fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
+	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
+	fairTargets(targetRow(tw), s.vals)
+	tw.Flush()
+	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order\n",
+		group(s.vals["fair_delivered"]), group(s.vals["fair_expected"]), group(s.vals["fair_out_of_order"]))
+	fmt.Fprintln(w, s.resultLine())
+}
