@@ -190,7 +190,7 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 		// The gauge also counts all of deferred_message and the keys backing
 		// off (a scan of deferred_key), on an interval by design; what must
 		// not grow is finding the oldest due head and counting held keys.
-		{"backlog gauge's key heads", []string{"deferred_key_due", "deferred_key_throttled"}, statementSQL(t, "metrics_backlog.sql"), nil, 20},
+		{"backlog gauge's key heads", []string{"deferred_key_due", "deferred_key_target_due", "deferred_key_throttled"}, statementSQL(t, "metrics_backlog.sql"), nil, 20},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

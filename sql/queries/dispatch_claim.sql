@@ -29,16 +29,16 @@
 --
 -- The targets come from a loose scan of deferred_key_target_due (one index
 -- probe per target that has heads there), so the claim costs a few probes
--- per target however long any target's backlog is. A target's own due
--- heads could also be read from deferred_key_due, filtering by target; the
--- planner takes that only when the due range is short, since its filter
--- costs a heap read per other target's due head, which deferred_key_target_due's
--- bound on head_target saves (TestClaimDoesNotWalkAnotherTargetsBacklog
--- counts the rows read behind 50,000 heads of another target, with and
--- without statistics that know the quiet target). The due-time test is the
--- bare next_run_at <= now() on purpose: written as a row comparison on
--- (head_target, next_run_at), PostgreSQL 15 did not end the index scan at
--- now() and read every far-future head of the target.
+-- per target however long any target's backlog is. A target's due heads
+-- are read from deferred_key_target_due only: deferred_key_due, which also
+-- holds them in due order, has the predicate next_run_at < 'infinity',
+-- which this statement does not state, so it cannot be planned on it (with
+-- it, the planner took it whenever statistics said the due range was
+-- short, and walked every other target's due heads; migration 0009). The
+-- due-time test is the bare next_run_at <= now() on purpose: written as a
+-- row comparison on (head_target, next_run_at), PostgreSQL 15 did not end
+-- the index scan at now() and read every far-future head of the target.
+-- TestClaimDoesNotWalkAnotherTargetsBacklog counts the rows read.
 -- Heads of paused and rate-limited targets are flagged (deferred_key.throttled)
 -- and are not in deferred_key_target_due at all, so however large their
 -- backlog, this walks only heads that can go. The target_control check

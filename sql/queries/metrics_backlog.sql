@@ -32,8 +32,10 @@
 -- by a race with a pause, see migration 0002, and is written as in
 -- dispatch_claim.sql) or the first of some rate-limited target in
 -- deferred_key_throttled: a few index entries, however large a paused or
--- limited target's backlog. The held keys are the 'infinity' end of
--- deferred_key_due (a held head is never throttled). The counts read all of
+-- limited target's backlog. The held keys are the 'infinity' end of each
+-- target's range of deferred_key_target_due (a held head is never
+-- throttled; deferred_key_due stops short of 'infinity', see migration
+-- 0009), found with the claim's loose scan of the targets. The counts read all of
 -- deferred_message, which is why this runs on an interval.
 WITH counts AS (
     SELECT target_topic, state, count(*) AS messages,
@@ -43,7 +45,7 @@ WITH counts AS (
 ), keys AS (
     SELECT coalesce(extract(epoch FROM now() - least(
                (SELECT min(k.next_run_at) FROM deferred_key k
-                WHERE NOT k.throttled AND k.next_run_at <= now()
+                WHERE NOT k.throttled AND k.next_run_at <= now() AND k.next_run_at < 'infinity'
                   AND k.head_target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c WHERE c.paused))),
                (SELECT min(f.next_run_at)
                 FROM target_control c
@@ -60,7 +62,21 @@ WITH counts AS (
                      WHERE datname = current_database() AND backend_type = 'client backend'
                        AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
                        AND pid <> pg_backend_pid()), 0)::float8 AS oldest_xact,
-           (SELECT count(*) FROM deferred_key WHERE NOT throttled AND next_run_at = 'infinity' AND held) AS held_parked,
+           (SELECT count(*)
+            FROM (WITH RECURSIVE targets (target) AS (
+                      (SELECT k.head_target FROM deferred_key k
+                       WHERE NOT k.throttled AND k.head_target IS NOT NULL
+                       ORDER BY k.head_target LIMIT 1)
+                      UNION ALL
+                      SELECT (SELECT k.head_target FROM deferred_key k
+                              WHERE NOT k.throttled AND k.head_target > t.target
+                              ORDER BY k.head_target LIMIT 1)
+                      FROM targets t WHERE t.target IS NOT NULL)
+                  SELECT target FROM targets WHERE target IS NOT NULL) t
+            CROSS JOIN LATERAL (
+                SELECT 1 FROM deferred_key k
+                WHERE NOT k.throttled AND k.head_target = t.target AND k.next_run_at = 'infinity' AND k.held
+            ) h) AS held_parked,
            (SELECT count(*) FROM deferred_message
             WHERE state = 'parked' AND dlq_topic IS NOT NULL AND dlq_published_at IS NULL) AS dlq_unsent,
            (SELECT count(*) FROM deferred_inflight) AS inflight_keys,

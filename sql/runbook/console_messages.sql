@@ -40,6 +40,9 @@ FROM (
      JOIN deferred_message m ON m.id = k.head_id
      WHERE :'sort' = 'due' AND :'state' IN ('', 'pending')
        AND NOT k.throttled
+       -- deferred_key_due's bound (migration 0009): pending heads are never
+       -- 'infinity'.
+       AND k.next_run_at < 'infinity'
        AND m.state = 'pending'
        AND (:'target'::text = '' OR m.target_topic LIKE :'target')
        AND (:'reason'::text = '' OR split_part(m.reason, ':', 1) = :'reason')

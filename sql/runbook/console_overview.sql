@@ -41,7 +41,7 @@ WITH sample AS (
     SELECT target_topic, sum(due_heads)::bigint AS due_heads, min(oldest_due) AS oldest_due
     FROM (SELECT head_target AS target_topic, count(*) AS due_heads, min(next_run_at) AS oldest_due
           FROM deferred_key
-          WHERE NOT throttled AND next_run_at <= now()
+          WHERE NOT throttled AND next_run_at <= now() AND next_run_at < 'infinity'
           GROUP BY 1
           UNION ALL
           SELECT head_target, count(*), min(next_run_at)

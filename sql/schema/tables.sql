@@ -202,13 +202,15 @@ COMMENT ON TABLE deferred_key IS
 
 CREATE UNIQUE INDEX deferred_key_business_key ON deferred_key (business_key);
 CREATE INDEX deferred_key_head_id ON deferred_key (head_id);
--- Every head is in exactly one of deferred_key_due and
--- deferred_key_throttled. The next-due read walks deferred_key_due from its
--- start; a rate-limited target's claim and token checks read
--- deferred_key_throttled from (target, -infinity). The main claim reads
--- deferred_key_target_due, the same heads as deferred_key_due by target, to
--- share a round between targets (migration 0009).
-CREATE INDEX deferred_key_due ON deferred_key (next_run_at) WHERE NOT throttled;
+-- Every head is in exactly one of deferred_key_target_due and
+-- deferred_key_throttled. The main claim reads deferred_key_target_due, by
+-- target, to share a round between targets (migration 0009); a rate-limited
+-- target's claim and token checks read deferred_key_throttled from
+-- (target, -infinity). deferred_key_due holds deferred_key_target_due's heads
+-- that can come due (not held, not emptied: next_run_at < 'infinity') in due
+-- order, for the next-due read, the backlog gauge and the console; the claim
+-- never states that bound, so it cannot be planned on it (migration 0009).
+CREATE INDEX deferred_key_due ON deferred_key (next_run_at) WHERE NOT throttled AND next_run_at < 'infinity';
 CREATE INDEX deferred_key_target_due ON deferred_key (head_target, next_run_at) WHERE NOT throttled;
 CREATE INDEX deferred_key_throttled ON deferred_key (head_target, next_run_at) WHERE throttled;
 
