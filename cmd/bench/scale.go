@@ -35,6 +35,9 @@ func (sp scaleSpec) String() string {
 	if sp.workers > 0 {
 		loops = fmt.Sprintf("DISPATCH_WORKERS=%d", sp.workers)
 	}
+	if sp.replicas > 1 {
+		loops += fmt.Sprintf(", DISPATCH_LOOPS=%d", defaultWorkers*sp.replicas)
+	}
 	return fmt.Sprintf("%s, %d replicas, %d far-future rows", loops, sp.replicas, sp.backlog)
 }
 
@@ -67,7 +70,8 @@ type scaleResult struct {
 // phase does (own keys, N records due now produced as fast as the producer
 // goes, from the first send to the last arrival), against the dispatch
 // loops of one replica (DISPATCH_WORKERS), the number of replicas (service
-// processes on one database and one broker, on the service's defaults),
+// processes on one database and one broker, each running the default
+// DISPATCH_WORKERS loops: DISPATCH_LOOPS is raised to match),
 // and the far-future rows waiting in the database (inserted with
 // fillBacklog's set-based SQL). Each configuration gets a fresh database and
 // broker and its rows; the machine's speed is probed (it is shared, and a
@@ -159,6 +163,12 @@ func (b *bench) runScalePoint(ctx context.Context, sp scaleSpec) (p scalePoint, 
 	env := []string{"CONSUMER_GROUP=" + scaleGroup}
 	if sp.workers > 0 {
 		env = append(env, "DISPATCH_WORKERS="+strconv.Itoa(sp.workers))
+	}
+	if sp.replicas > 1 {
+		// DISPATCH_LOOPS is the loops of the whole database: at its default,
+		// the first replica would run them all and the others only ingest.
+		// Each replica runs its default loops, as a scale-out would.
+		env = append(env, "DISPATCH_LOOPS="+strconv.Itoa(defaultWorkers*sp.replicas))
 	}
 	var svcs []*service
 	stopped := false
@@ -421,7 +431,8 @@ func (r scaleResult) write(w io.Writer, n int) {
 	}
 	tw.Flush()
 	fmt.Fprintf(w, "The run on the defaults (%d loops, one replica, no far-future rows) ran once and is on every curve. Loops: DISPATCH_WORKERS;\n", defaultWorkers)
-	fmt.Fprintln(w, "DISPATCH_LOOPS, the loop slots shared by all replicas on a database, stays at its default, so replicas share those.")
+	fmt.Fprintf(w, "replicas: DISPATCH_LOOPS, the loop slots of the whole database, is %d per replica, so that each runs its %d loops.\n",
+		defaultWorkers, defaultWorkers)
 	for _, i := range r.backlogs {
 		if p := r.points[i]; p.spec.backlog > 0 {
 			fmt.Fprintf(w, "The %s far-future rows were inserted with SQL (fillBacklog) in %.1fs before the service started.\n",
