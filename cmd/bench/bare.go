@@ -260,37 +260,9 @@ func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
 
 	// The service's records exactly: same keys, values and headers.
 	n, warm := b.cfg.N, b.cfg.Warmup
-	if _, _, err := produceAll(qctx, lp, warm, func(i int) *sarama.ProducerMessage {
-		return deferRecord(ownKeys.key("w", i), i, topicWarmup, when{})
-	}); err != nil {
+	if res.e2e, err = b.endToEnd(qctx, lp, w, "bare queue", "bare", "w", "e"); err != nil {
 		return res, err
 	}
-	if _, err := track(qctx, "bare queue warm-up", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(warm), timeoutFor(warm)); err != nil {
-		return res, err
-	}
-
-	stopProfile, err := b.profile("bare")
-	if err != nil {
-		return res, err
-	}
-	cpu0 := b.cpu(0)
-	start := time.Now()
-	sent := make(chan error, 1)
-	go func() {
-		_, _, err := produceAll(qctx, lp, n, func(i int) *sarama.ProducerMessage {
-			return deferRecord(ownKeys.key("e", i), i, topicE2E, when{})
-		})
-		sent <- err
-	}()
-	pr, err := track(qctx, "bare queue end to end", func() (int64, error) { return w.count(topicE2E) }, 0, int64(n), timeoutFor(n))
-	stopProfile()
-	if perr := <-sent; perr != nil {
-		return res, perr
-	}
-	if err != nil {
-		return res, err
-	}
-	res.e2e = rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: b.cpu(0).sub(cpu0)}
 	if err := stop(); err != nil {
 		return res, err
 	}

@@ -98,21 +98,7 @@ func TestSmokeRun(t *testing.T) {
 // figures are not checked against the budget: make test must not depend on
 // the machine's speed (make bench reports them).
 func TestSmokeConsole(t *testing.T) {
-	cfg := modes["smoke"]
-	cfg.Only = onlyConsole
-	cfg.DatabaseURL = pgtest.AdminURL(t)
-	var out, progress bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	if err := run(ctx, cfg, &out, &progress); err != nil {
-		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
-	}
-	report := strings.TrimRight(out.String(), "\n")
-	lines := strings.Split(report, "\n")
-	vals, err := parseResult(lines[len(lines)-1])
-	if err != nil {
-		t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
-	}
+	cfg, report, vals := runSmoke(t, onlyConsole)
 	if vals["console_rows"] != float64(cfg.ConsoleRows) {
 		t.Errorf("console_rows = %v, want %d", vals["console_rows"], cfg.ConsoleRows)
 	}
@@ -171,21 +157,7 @@ func TestSmokeOnlyDurability(t *testing.T) {
 		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS"},
 	} {
 		t.Run(tc.only, func(t *testing.T) {
-			cfg := modes["smoke"]
-			cfg.Only = tc.only
-			cfg.DatabaseURL = pgtest.AdminURL(t)
-			var out, progress bytes.Buffer
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-			defer cancel()
-			if err := run(ctx, cfg, &out, &progress); err != nil {
-				t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
-			}
-			report := strings.TrimRight(out.String(), "\n")
-			lines := strings.Split(report, "\n")
-			vals, err := parseResult(lines[len(lines)-1])
-			if err != nil {
-				t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
-			}
+			_, report, vals := runSmoke(t, tc.only)
 			for _, k := range tc.keys {
 				if vals[k] <= 0 {
 					t.Errorf("%s = %v, want a positive measurement", k, vals[k])
@@ -352,4 +324,27 @@ func TestConfigFromEnv(t *testing.T) {
 			}
 		})
 	}
+}
+
+// runSmoke runs one scenario alone (BENCH_ONLY=only) in the smoke size
+// against the test server, and returns its configuration, its report and
+// the values of its RESULT line.
+func runSmoke(t *testing.T, only string) (config, string, map[string]float64) {
+	t.Helper()
+	cfg := modes["smoke"]
+	cfg.Only = only
+	cfg.DatabaseURL = pgtest.AdminURL(t)
+	var out, progress bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	if err := run(ctx, cfg, &out, &progress); err != nil {
+		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
+	}
+	report := strings.TrimRight(out.String(), "\n")
+	lines := strings.Split(report, "\n")
+	vals, err := parseResult(lines[len(lines)-1])
+	if err != nil {
+		t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
+	}
+	return cfg, report, vals
 }

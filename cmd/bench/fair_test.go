@@ -1,13 +1,8 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"strings"
 	"testing"
-	"time"
-
-	"github.com/deferq/scheduler/internal/pgtest"
 )
 
 // The fairness scenario alone (BENCH_ONLY=fair) in the smoke size: the
@@ -16,21 +11,7 @@ import (
 // its table and RESULT keys. The lateness is not checked against the bar:
 // make test must not depend on the machine's speed (make bench reports it).
 func TestSmokeFair(t *testing.T) {
-	cfg := modes["smoke"]
-	cfg.Only = onlyFair
-	cfg.DatabaseURL = pgtest.AdminURL(t)
-	var out, progress bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	if err := run(ctx, cfg, &out, &progress); err != nil {
-		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
-	}
-	report := strings.TrimRight(out.String(), "\n")
-	lines := strings.Split(report, "\n")
-	vals, err := parseResult(lines[len(lines)-1])
-	if err != nil {
-		t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
-	}
+	cfg, report, vals := runSmoke(t, onlyFair)
 	for _, k := range []string{"fair_quiet_p99_ms", "fair_quiet_p50_ms", "fair_quiet_max_ms", "fair_quiet_msgs",
 		"fair_quiet_alone_p99_ms", "fair_backlog_msgs_per_s", "fair_cpu_speed", "fair_expected"} {
 		if vals[k] <= 0 {

@@ -470,3 +470,42 @@ func lateness(ds []delivery) ([]time.Duration, error) {
 	}
 	return out, nil
 }
+
+// endToEnd runs an in-process contender's end-to-end phase, as runScheduler
+// times the service's: Warmup records due now (keys warmKeys) through to
+// topicWarmup, then, under the CPU profile named profile, N records due now
+// (keys keys) produced as fast as the producer goes, timed from the first
+// send to the last arrival on topicE2E. what names the phase in errors.
+func (b *bench) endToEnd(ctx context.Context, lp *loadProducer, w *watcher, what, profile, warmKeys, keys string) (rate, error) {
+	n, warm := b.cfg.N, b.cfg.Warmup
+	if _, _, err := produceAll(ctx, lp, warm, func(i int) *sarama.ProducerMessage {
+		return deferRecord(ownKeys.key(warmKeys, i), i, topicWarmup, when{})
+	}); err != nil {
+		return rate{}, err
+	}
+	if _, err := track(ctx, what+" warm-up", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(warm), timeoutFor(warm)); err != nil {
+		return rate{}, err
+	}
+	stopProfile, err := b.profile(profile)
+	if err != nil {
+		return rate{}, err
+	}
+	cpu0 := b.cpu(0)
+	start := time.Now()
+	sent := make(chan error, 1)
+	go func() {
+		_, _, err := produceAll(ctx, lp, n, func(i int) *sarama.ProducerMessage {
+			return deferRecord(ownKeys.key(keys, i), i, topicE2E, when{})
+		})
+		sent <- err
+	}()
+	pr, err := track(ctx, what+" end to end", func() (int64, error) { return w.count(topicE2E) }, 0, int64(n), timeoutFor(n))
+	stopProfile()
+	if perr := <-sent; perr != nil {
+		return rate{}, perr
+	}
+	if err != nil {
+		return rate{}, err
+	}
+	return rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: b.cpu(0).sub(cpu0)}, nil
+}

@@ -251,37 +251,9 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 	defer w.close()
 
 	n, warm := b.cfg.N, b.cfg.Warmup
-	if _, _, err := produceAll(ctx, lp, warm, func(i int) *sarama.ProducerMessage {
-		return deferRecord(ownKeys.key("rw", i), i, topicWarmup, when{})
-	}); err != nil {
+	if res.e2e, err = b.endToEnd(ctx, lp, w, "River", "river", "rw", "re"); err != nil {
 		return res, err
 	}
-	if _, err := track(ctx, "River warm-up", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(warm), timeoutFor(warm)); err != nil {
-		return res, err
-	}
-
-	stopProfile, err := b.profile("river")
-	if err != nil {
-		return res, err
-	}
-	cpu0 := b.cpu(0)
-	start := time.Now()
-	sent := make(chan error, 1)
-	go func() {
-		_, _, err := produceAll(ctx, lp, n, func(i int) *sarama.ProducerMessage {
-			return deferRecord(ownKeys.key("re", i), i, topicE2E, when{})
-		})
-		sent <- err
-	}()
-	pr, err := track(ctx, "River end to end", func() (int64, error) { return w.count(topicE2E) }, 0, int64(n), timeoutFor(n))
-	stopProfile()
-	if perr := <-sent; perr != nil {
-		return res, perr
-	}
-	if err != nil {
-		return res, err
-	}
-	res.e2e = rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: b.cpu(0).sub(cpu0)}
 
 	lead := b.cfg.LateLead
 	lstart := time.Now()

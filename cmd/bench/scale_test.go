@@ -1,14 +1,9 @@
 package main
 
 import (
-	"bytes"
-	"context"
 	"fmt"
 	"strings"
 	"testing"
-	"time"
-
-	"github.com/deferq/scheduler/internal/pgtest"
 )
 
 // The scaling curves alone (BENCH_ONLY=scale) in the smoke size: every
@@ -17,21 +12,7 @@ import (
 // has its RESULT keys. Speed is not checked: make test must not depend on
 // the machine.
 func TestSmokeScale(t *testing.T) {
-	cfg := modes["smoke"]
-	cfg.Only = onlyScale
-	cfg.DatabaseURL = pgtest.AdminURL(t)
-	var out, progress bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-	defer cancel()
-	if err := run(ctx, cfg, &out, &progress); err != nil {
-		t.Fatalf("bench: %v\nprogress:\n%s", err, progress.String())
-	}
-	report := strings.TrimRight(out.String(), "\n")
-	lines := strings.Split(report, "\n")
-	vals, err := parseResult(lines[len(lines)-1])
-	if err != nil {
-		t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
-	}
+	cfg, report, vals := runSmoke(t, onlyScale)
 	var keys []string
 	for _, k := range cfg.ScaleLoops {
 		keys = append(keys, fmt.Sprintf("scale_loops%d", k))
