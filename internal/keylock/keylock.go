@@ -157,7 +157,11 @@ func New(pool *pgxpool.Pool, cfg Config) (*Locker, error) {
 func (l *Locker) Lease() time.Duration { return l.cfg.Lease }
 
 // Claim leases up to maxKeys due keys and returns them with their due
-// messages. Keys whose head goes to a paused or rate-limited target are left
+// messages. The keys are shared round-robin between the targets that have
+// due heads, earliest due first within each (dispatch_claim.sql), so one
+// target's backlog does not hold back another's; the Locker remembers how
+// many heads per target to read next (nextShare), which is why a Locker is
+// one dispatch loop's. Keys whose head goes to a paused or rate-limited target are left
 // alone (see ClaimTarget for the latter). A claimed key whose messages
 // vanished (an operator changed them after the head was read) is released at
 // once and not returned.
