@@ -5,6 +5,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -307,6 +308,9 @@ func TestConfigFromEnv(t *testing.T) {
 		{"only the partitions", []string{"BENCH_SMOKE=1", "BENCH_ONLY=partitions"}, "smoke", 300, ""},
 		{"only what", []string{"BENCH_ONLY=river"}, "", 0, "BENCH_ONLY"},
 		{"console rows too few", []string{"BENCH_CONSOLE_ROWS=10"}, "", 0, "BENCH_CONSOLE_ROWS"},
+		{"service settings", []string{"BENCH_SERVICE_ENV=DISPATCH_BATCH_KEYS=250  INGEST_BATCH_LINGER=5ms"}, "full", 100_000, ""},
+		{"service setting without a value", []string{"BENCH_SERVICE_ENV=DISPATCH_BATCH_KEYS"}, "", 0, "BENCH_SERVICE_ENV"},
+		{"service setting without a name", []string{"BENCH_SERVICE_ENV==5"}, "", 0, "BENCH_SERVICE_ENV"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg, err := configFromEnv(tc.environ)
@@ -321,6 +325,11 @@ func TestConfigFromEnv(t *testing.T) {
 			}
 			if cfg.Mode != tc.mode || cfg.N != tc.n {
 				t.Errorf("configFromEnv(%q) = mode %s, N %d; want %s, %d", tc.environ, cfg.Mode, cfg.N, tc.mode, tc.n)
+			}
+			if tc.name == "service settings" {
+				if want := []string{"DISPATCH_BATCH_KEYS=250", "INGEST_BATCH_LINGER=5ms"}; !slices.Equal(cfg.ServiceEnv, want) {
+					t.Errorf("ServiceEnv = %q, want %q", cfg.ServiceEnv, want)
+				}
 			}
 		})
 	}

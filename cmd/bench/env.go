@@ -321,10 +321,13 @@ type service struct {
 // With profile set the service also serves net/http/pprof (PPROF_ADDR), for
 // cpuProfile. env are further NAME=value settings a scenario measures the
 // service with (the scaling curves' DISPATCH_WORKERS).
-func startService(ctx context.Context, bin, dbURL, brokers string, logs io.Writer, profile bool, env ...string) (*service, error) {
-	// Nothing inherited: the service sees its defaults and these only.
-	p, err := schedproc.Start(schedproc.Options{Bin: bin, Pprof: profile, Logs: logs, TailBytes: 64 << 10,
-		Env: append([]string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "TARGET_TOPICS=bench.*"}, env...)})
+func (b *bench) startService(ctx context.Context, dbURL, brokers string, profile bool, env ...string) (*service, error) {
+	// Nothing inherited: the service sees its defaults, these, and
+	// BENCH_SERVICE_ENV's settings (an experiment's, printed in the report).
+	env = append(append([]string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "TARGET_TOPICS=bench.*"}, env...),
+		b.cfg.ServiceEnv...)
+	p, err := schedproc.Start(schedproc.Options{Bin: b.bin, Pprof: profile, Logs: b.cfg.ServiceLogs, TailBytes: 64 << 10,
+		Env: env})
 	if err != nil {
 		return nil, err
 	}

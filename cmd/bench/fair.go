@@ -97,7 +97,7 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 	// CPU while idle (a claim walking the backlog's heads while they are
 	// not due) must show in its own figures, not pass for a slow machine.
 	res.speed = cpuSpeed(b.cfg.SpeedProbe)
-	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, false)
+	svc, err := b.startService(ctx, db.url, addr, false)
 	if err != nil {
 		return res, err
 	}

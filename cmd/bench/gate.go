@@ -158,7 +158,7 @@ func (b *bench) runGate(ctx context.Context) (res gateResult, err error) {
 		return res, err
 	}
 
-	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, false)
+	svc, err := b.startService(ctx, db.url, addr, false)
 	if err != nil {
 		return res, err
 	}

@@ -72,7 +72,7 @@ func (b *bench) runLarge(ctx context.Context) (res largeResult, err error) {
 	b.say("  starting the scheduler (%d records of %d bytes waiting in %s)", res.n, largeSize, deferTopic)
 	cpu0 := b.cpu(0)
 	start := time.Now()
-	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, false)
+	svc, err := b.startService(ctx, db.url, addr, false)
 	if err != nil {
 		return res, err
 	}

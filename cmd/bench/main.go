@@ -130,6 +130,10 @@ type config struct {
 	// ServiceProfile is how long each phase's CPU profile of the service
 	// runs, from the phase's start (with ProfileDir).
 	ServiceProfile time.Duration
+	// ServiceEnv is extra environment for every service process
+	// (BENCH_SERVICE_ENV: KEY=VALUE settings separated by spaces), for
+	// experiments with its settings; empty runs it on its defaults.
+	ServiceEnv []string
 	// ServiceLogs, when set, receives the service's own logs.
 	ServiceLogs io.Writer
 }
@@ -162,7 +166,7 @@ var modes = map[string]config{
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when
-// neither is set) and reads DATABASE_URL, BENCH_SCHEDULER, BENCH_PROFILE_DIR,
+// neither is set) and reads DATABASE_URL, BENCH_SCHEDULER, BENCH_SERVICE_ENV, BENCH_PROFILE_DIR,
 // BENCH_VERBOSE, BENCH_N (overrides the phase size), BENCH_CONSOLE_ROWS
 // (overrides the console scenario's size) and BENCH_ONLY.
 func configFromEnv(environ []string) (config, error) {
@@ -222,6 +226,12 @@ func configFromEnv(environ []string) (config, error) {
 	default:
 		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q, %q, %q, %q, %q, %q or nothing", v, onlyGate, onlyConsole, onlyBare, onlyPartitions,
 			onlyFair, onlyScale)
+	}
+	for _, kv := range strings.Fields(env["BENCH_SERVICE_ENV"]) {
+		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {
+			return config{}, fmt.Errorf("BENCH_SERVICE_ENV: %q is not KEY=VALUE (settings are separated by spaces)", kv)
+		}
+		cfg.ServiceEnv = append(cfg.ServiceEnv, kv)
 	}
 	cfg.DatabaseURL = env["DATABASE_URL"]
 	cfg.SchedulerBin = env["BENCH_SCHEDULER"]

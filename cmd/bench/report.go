@@ -131,6 +131,10 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	finish := func() {
 		res.speedEnd = cpuSpeed(cfg.SpeedProbe)
 		res.machine = machine(pgInfo, loadStart, loadAverage(), res.speedStart, res.speedEnd)
+		if len(cfg.ServiceEnv) > 0 {
+			res.machine = append(res.machine, "settings: the service ran with "+strings.Join(cfg.ServiceEnv, " ")+
+				" (BENCH_SERVICE_ENV), not on its defaults")
+		}
 		res.write(out)
 	}
 	gate := func() error {

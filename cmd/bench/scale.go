@@ -180,7 +180,7 @@ func (b *bench) runScalePoint(ctx context.Context, sp scaleSpec) (p scalePoint, 
 		}
 	}()
 	for range sp.replicas {
-		s, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, false, env...)
+		s, err := b.startService(ctx, db.url, addr, false, env...)
 		if err != nil {
 			return p, err
 		}

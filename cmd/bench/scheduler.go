@@ -145,7 +145,7 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 		ingested <- tracked{pr, err}
 	}()
 	cpu0 := b.cpu(0)
-	svc, err := startService(ctx, b.bin, db.url, addr, b.cfg.ServiceLogs, b.cfg.ProfileDir != "")
+	svc, err := b.startService(ctx, db.url, addr, b.cfg.ProfileDir != "")
 	if err != nil {
 		return sc, err
 	}
