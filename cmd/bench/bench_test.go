@@ -54,9 +54,13 @@ func TestSmokeRun(t *testing.T) {
 	}
 	for _, k := range []string{"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s",
 		"river_msgs_per_s", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb", "large_ingest_mb_per_s",
-		"e2e_cpu_us_per_msg", "e2e_svc_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end",
+		// Not e2e_svc_cpu_us_per_msg: the smoke phase lasts about 50 ms,
+		// and /proc counts the service's CPU in 10 ms ticks, so it can read
+		// 0 (it did, once, on a fast machine); the whole, with Postgres's
+		// part, cannot.
+		"e2e_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end",
 		"gate_off_msgs_per_s", "gate_on_msgs_per_s", "gate_blocked1_msgs_per_s", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms",
-		"bare_msgs_per_s", "e2e_vs_bare", "bare_go_cpu_us_per_msg", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "dispatch_p64_msgs_per_s"} {
+		"bare_msgs_per_s", "e2e_vs_bare", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "dispatch_p64_msgs_per_s"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
 		}
@@ -154,7 +158,7 @@ func TestSmokeOnlyDurability(t *testing.T) {
 		keys    []string
 		section string
 	}{
-		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare", "bare_go_cpu_us_per_msg"}, "BARE DURABLE QUEUE"},
+		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare"}, "BARE DURABLE QUEUE"},
 		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS"},
 	} {
 		t.Run(tc.only, func(t *testing.T) {

@@ -24,14 +24,15 @@ func TestSmokeScale(t *testing.T) {
 		keys = append(keys, fmt.Sprintf("scale_backlog%d", n))
 	}
 	for _, k := range keys {
-		for _, suffix := range []string{"_msgs_per_s", "_svc_cpu_us_per_msg", "_speed"} {
+		for _, suffix := range []string{"_msgs_per_s", "_speed"} {
 			if vals[k+suffix] <= 0 {
 				t.Errorf("%s = %v, want a positive measurement", k+suffix, vals[k+suffix])
 			}
 		}
 		// Postgres's CPU is 0 when its processes are not readable; idle CPU
-		// may well be 0.
-		for _, suffix := range []string{"_pg_cpu_us_per_msg", "_idle_cpu_ms_per_s"} {
+		// may well be 0; the service's, over a smoke phase of about 50 ms
+		// counted in 10 ms ticks, can read 0 (it did on a fast machine).
+		for _, suffix := range []string{"_svc_cpu_us_per_msg", "_pg_cpu_us_per_msg", "_idle_cpu_ms_per_s"} {
 			if _, ok := vals[k+suffix]; !ok {
 				t.Errorf("RESULT lacks %s", k+suffix)
 			}
