@@ -283,35 +283,6 @@ ORDER BY g`, from, to, target, prefix)
 	return nil
 }
 
-// producePacedUntil sends records at rate per second, spread as
-// producePaced spreads them, until stop is closed, and waits for their
-// acknowledgements. It returns how many it sent.
-func producePacedUntil(ctx context.Context, lp *loadProducer, rate int, stop <-chan struct{}, mk func(i int, now time.Time) *sarama.ProducerMessage) (int, error) {
-	lp.mu.Lock()
-	base := lp.acked
-	lp.mu.Unlock()
-	start := time.Now()
-	sent := 0
-	tick := time.NewTicker(time.Millisecond)
-	defer tick.Stop()
-	for {
-		now := time.Now()
-		want := int(float64(rate) * now.Sub(start).Seconds())
-		for ; sent < want; sent++ {
-			if err := lp.send(ctx, mk(sent, now)); err != nil {
-				return sent, err
-			}
-		}
-		select {
-		case <-tick.C:
-		case <-stop:
-			return sent, lp.waitAcked(ctx, base+int64(sent))
-		case <-ctx.Done():
-			return sent, ctx.Err()
-		}
-	}
-}
-
 func (f fairResult) summarize(s *summary) {
 	s.set("fair_quiet_p99_ms", ms(f.during.p99))
 	s.set("fair_quiet_p50_ms", ms(f.during.p50))

@@ -201,9 +201,18 @@ func produceAll(ctx context.Context, lp *loadProducer, n int, mk func(i int) *sa
 
 // producePaced sends records at rate per second for dur, record i built by
 // mk at its send time, and waits for their acknowledgements. It returns how
-// many it sent. Sends are spread evenly: every millisecond tick tops the count
-// up to rate × elapsed.
+// many it sent.
 func producePaced(ctx context.Context, lp *loadProducer, rate int, dur time.Duration, mk func(i int, now time.Time) *sarama.ProducerMessage) (int, error) {
+	stop := time.NewTimer(dur)
+	defer stop.Stop()
+	return producePacedUntil(ctx, lp, rate, stop.C, mk)
+}
+
+// producePacedUntil sends records at rate per second until stop delivers or
+// is closed, record i built by mk at its send time, and waits for their
+// acknowledgements. It returns how many it sent. Sends are spread evenly:
+// every millisecond tick tops the count up to rate × elapsed.
+func producePacedUntil[T any](ctx context.Context, lp *loadProducer, rate int, stop <-chan T, mk func(i int, now time.Time) *sarama.ProducerMessage) (int, error) {
 	lp.mu.Lock()
 	base := lp.acked
 	lp.mu.Unlock()
@@ -213,11 +222,7 @@ func producePaced(ctx context.Context, lp *loadProducer, rate int, dur time.Dura
 	defer tick.Stop()
 	for {
 		now := time.Now()
-		elapsed := now.Sub(start)
-		if elapsed >= dur {
-			break
-		}
-		want := int(float64(rate) * elapsed.Seconds())
+		want := int(float64(rate) * now.Sub(start).Seconds())
 		for ; sent < want; sent++ {
 			if err := lp.send(ctx, mk(sent, now)); err != nil {
 				return sent, err
@@ -225,11 +230,12 @@ func producePaced(ctx context.Context, lp *loadProducer, rate int, dur time.Dura
 		}
 		select {
 		case <-tick.C:
+		case <-stop:
+			return sent, lp.waitAcked(ctx, base+int64(sent))
 		case <-ctx.Done():
 			return sent, ctx.Err()
 		}
 	}
-	return sent, lp.waitAcked(ctx, base+int64(sent))
 }
 
 // watcher reads high-water marks: how many records a topic holds, without
