@@ -24,6 +24,9 @@
 -- deferred_key_target_due. The held keys are counted from
 -- deferred_key_target_due's 'infinity' end of each target.
 --
+-- Adds sql/schema/views/deferred_key_target.sql: the targets with heads in
+-- deferred_key_target_due, by a loose scan, for the claim and the gauge.
+--
 -- CREATE INDEX reads the whole of deferred_key and blocks writes to it while
 -- it does: about a second per million keys, for each of the two.
 CREATE INDEX deferred_key_target_due ON deferred_key (head_target, next_run_at) WHERE NOT throttled;

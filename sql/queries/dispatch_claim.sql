@@ -27,8 +27,8 @@
 -- and locked but not taken stay as they were (the lock ends with the
 -- statement); keylock's share keeps them few.
 --
--- The targets come from a loose scan of deferred_key_target_due (one index
--- probe per target that has heads there), so the claim costs a few probes
+-- The targets come from the view deferred_key_target, a loose scan of
+-- deferred_key_target_due (one index probe per target that has heads there), so the claim costs a few probes
 -- per target however long any target's backlog is. A target's due heads
 -- are read from deferred_key_target_due only: deferred_key_due, which also
 -- holds them in due order, has the predicate next_run_at < 'infinity',
@@ -75,22 +75,10 @@
 -- database). The sum runs over the rows the laterals read, at most $1 x $3,
 -- in the sort the output order needs anyway; nth, each message's place in
 -- its run, rides on the window that already checks all_due.
-WITH RECURSIVE targets (target) AS (
-    (SELECT k.head_target FROM deferred_key k
-     WHERE NOT k.throttled AND k.head_target IS NOT NULL
-     ORDER BY k.head_target
-     LIMIT 1)
-    UNION ALL
-    SELECT (SELECT k.head_target FROM deferred_key k
-            WHERE NOT k.throttled AND k.head_target > t.target
-            ORDER BY k.head_target
-            LIMIT 1)
-    FROM targets t
-    WHERE t.target IS NOT NULL
-), candidate AS MATERIALIZED (
+WITH candidate AS MATERIALIZED (
     SELECT h.ctid, h.next_run_at,
            row_number() OVER (PARTITION BY t.target ORDER BY h.next_run_at) AS turn
-    FROM targets t
+    FROM deferred_key_target t
     CROSS JOIN LATERAL (
         SELECT k.ctid, k.next_run_at
         FROM deferred_key k
@@ -102,8 +90,7 @@ WITH RECURSIVE targets (target) AS (
         LIMIT $6
         FOR UPDATE SKIP LOCKED
     ) h
-    WHERE t.target IS NOT NULL
-      AND coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
+    WHERE coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
                                           WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
 ), due AS MATERIALIZED (
     SELECT ctid

@@ -35,7 +35,7 @@
 -- limited target's backlog. The held keys are the 'infinity' end of each
 -- target's range of deferred_key_target_due (a held head is never
 -- throttled; deferred_key_due stops short of 'infinity', see migration
--- 0009), found with the claim's loose scan of the targets. The counts read all of
+-- 0009), found with the claim's loose scan of the targets (deferred_key_target). The counts read all of
 -- deferred_message, which is why this runs on an interval.
 WITH counts AS (
     SELECT target_topic, state, count(*) AS messages,
@@ -63,16 +63,7 @@ WITH counts AS (
                        AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)
                        AND pid <> pg_backend_pid()), 0)::float8 AS oldest_xact,
            (SELECT count(*)
-            FROM (WITH RECURSIVE targets (target) AS (
-                      (SELECT k.head_target FROM deferred_key k
-                       WHERE NOT k.throttled AND k.head_target IS NOT NULL
-                       ORDER BY k.head_target LIMIT 1)
-                      UNION ALL
-                      SELECT (SELECT k.head_target FROM deferred_key k
-                              WHERE NOT k.throttled AND k.head_target > t.target
-                              ORDER BY k.head_target LIMIT 1)
-                      FROM targets t WHERE t.target IS NOT NULL)
-                  SELECT target FROM targets WHERE target IS NOT NULL) t
+            FROM deferred_key_target t
             CROSS JOIN LATERAL (
                 SELECT 1 FROM deferred_key k
                 WHERE NOT k.throttled AND k.head_target = t.target AND k.next_run_at = 'infinity' AND k.held
