@@ -52,8 +52,9 @@ type Config struct {
 	SigningKeysFile string `env:"SIGNING_KEYS_FILE" form:"path to a readable file of source=KEY lines (KEY in hex, at least 64 digits; # comments, blank lines)" help:"file of signing keys, one source=KEY per line, besides SIGNING_KEYS (a source may be in one of them only)"`
 	SigningRequired bool   `env:"SIGNING_REQUIRED" envDefault:"false" form:"true or false" help:"also reject records without defer.source or from a source with no signing key"`
 
-	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records written per insert (per partition)"`
-	IngestBatchBytes  int           `env:"INGEST_BATCH_BYTES" envDefault:"4194304" form:"integer 1024..268435456" help:"bytes of records written per insert (per partition); a larger record is written alone"`
+	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records per batch of one partition, and per insert statement"`
+	IngestBatchBytes  int           `env:"INGEST_BATCH_BYTES" envDefault:"4194304" form:"integer 1024..268435456" help:"bytes of records per batch of one partition, and per insert statement; a larger record is written alone"`
+	IngestWriters     int           `env:"INGEST_WRITERS" envDefault:"2" form:"integer 1..64" help:"insert statements ingest runs at once; batches of other partitions that are ready meanwhile go together in the next one"`
 	IngestBufferBytes int           `env:"INGEST_BUFFER_BYTES" envDefault:"33554432" form:"integer 1048576..4294967296" help:"bytes of records ingest holds at once, read from Kafka and not yet stored, over every partition it consumes (fetched, queued and batched); a larger record is still read, alone"`
 	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill"`
 
@@ -203,6 +204,7 @@ func (c *Config) validate() error {
 	}
 	intRange("INGEST_BATCH_SIZE", c.IngestBatchSize, 1, 100000)
 	intRange("INGEST_BATCH_BYTES", c.IngestBatchBytes, 1024, 256<<20)
+	intRange("INGEST_WRITERS", c.IngestWriters, 1, 64)
 	intRange("INGEST_BUFFER_BYTES", c.IngestBufferBytes, 1<<20, 4<<30)
 	intRange("DISPATCH_ROUND_BYTES", c.DispatchRoundBytes, 1024, 1<<30)
 	intRange("DISPATCH_LOOPS", c.DispatchLoops, 1, 256)

@@ -58,6 +58,7 @@ func TestConfigDefaults(t *testing.T) {
 		{"SIGNING_KEYS_FILE", "", cfg.SigningKeysFile, ""},
 		{"SIGNING_REQUIRED", "false", cfg.SigningRequired, false},
 		{"INGEST_BATCH_SIZE", "1000", cfg.IngestBatchSize, 1000},
+		{"INGEST_WRITERS", "2", cfg.IngestWriters, 2},
 		{"DISPATCH_LOOPS", "4", cfg.DispatchLoops, 4},
 		{"LEASE_DURATION", "90s", cfg.LeaseDuration, 90 * time.Second},
 		{"POLL_INTERVAL", "1s", cfg.PollInterval, time.Second},

@@ -203,6 +203,7 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		BatchSize:   cfg.IngestBatchSize,
 		BatchBytes:  cfg.IngestBatchBytes,
 		BatchLinger: cfg.IngestBatchLinger,
+		Writers:     cfg.IngestWriters,
 		Budget:      s.budget,
 		Log:         s.consumer.Log(),
 		Metrics:     s.metrics,

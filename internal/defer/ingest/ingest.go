@@ -87,6 +87,11 @@ type IngestConfig struct {
 	BatchSize   int
 	BatchBytes  int
 	BatchLinger time.Duration
+	// Writers is how many insert statements run at once over every
+	// partition (0: DefaultWriters). Batches that come while all are busy
+	// are written together in the next one, within BatchSize and
+	// BatchBytes (see writer).
+	Writers int
 	// Budget bounds the bytes of records held over every partition; it
 	// must be the consumer's interceptor (ConsumerConfig). Nil means none,
 	// for tests that build their own consumer.
@@ -118,6 +123,7 @@ type IngestConfig struct {
 type Ingester struct {
 	group  sarama.ConsumerGroup
 	store  *Store
+	writer *writer
 	cfg    IngestConfig
 	logger *slog.Logger
 	now    func() time.Time
@@ -156,6 +162,9 @@ type Ingester struct {
 	afterStore func() error
 }
 
+// DefaultWriters is IngestConfig.Writers when unset.
+const DefaultWriters = 2
+
 // errReread ends a claim whose partition must be read again from its stored
 // position: returning an error from ConsumeClaim ends the session, and the
 // next one's Setup starts every claim from the stored positions.
@@ -193,7 +202,11 @@ func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, log
 	if cfg.PositionCheck <= 0 {
 		cfg.PositionCheck = 2 * time.Second
 	}
-	return &Ingester{group: group, store: store, cfg: cfg, logger: logger, now: time.Now}, nil
+	if cfg.Writers <= 0 {
+		cfg.Writers = DefaultWriters
+	}
+	w := newWriter(store, cfg.Writers, cfg.BatchSize, int64(cfg.BatchBytes))
+	return &Ingester{group: group, store: store, writer: w, cfg: cfg, logger: logger, now: time.Now}, nil
 }
 
 // Joined reports whether ingest currently holds a consumer-group session.
@@ -917,14 +930,13 @@ func (in *Ingester) positionMoved(ctx context.Context, pos Position, msgs []*sar
 	return errReread
 }
 
-// insert stores entries in one statement. The statement runs to its end even
-// if the session ends meanwhile: a write cancelled after it reached Postgres
-// would commit rows whose offsets then go unmarked. The session is checked
-// between attempts.
+// insert stores entries in one statement, alone or with other partitions'
+// batches (see writer). The statement runs to its end even if the session
+// ends meanwhile: a write cancelled after it reached Postgres would commit
+// rows whose offsets then go unmarked. The session is checked between
+// attempts.
 func (in *Ingester) insert(ctx context.Context, pos Position, entries []Entry) (Inserted, error) {
-	actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 30*time.Second)
-	defer cancel()
-	return in.store.Insert(actx, pos, entries)
+	return in.writer.insert(ctx, pos, entries)
 }
 
 // storeEach stores entries one statement per entry, in order, after pos. An

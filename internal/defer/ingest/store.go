@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgtype"
@@ -100,122 +101,216 @@ func (s *Store) Insert(ctx context.Context, pos Position, entries []Entry) (Inse
 	if len(entries) == 0 {
 		return Inserted{}, nil
 	}
-	topic, partition := pos.Topic, pos.Partition
-	n := len(entries)
+	out, err := s.InsertBatches(ctx, []Batch{{Pos: pos, Entries: entries}})
+	if err != nil {
+		return Inserted{}, err
+	}
+	return out[0].Inserted, out[0].Err
+}
+
+// Batch is the entries read from one partition after Pos, in offset order.
+type Batch struct {
+	Pos     Position
+	Entries []Entry
+}
+
+// BatchResult is what InsertBatches did with one batch: what it stored, or
+// an error wrapping ErrPositionMoved when the batch's position did not match
+// (nothing of that batch was stored).
+type BatchResult struct {
+	Inserted
+	Err error
+}
+
+// InsertBatches stores batches of one topic's partitions, at most one batch
+// per partition and none empty, in one statement, each as Insert would:
+// a batch whose position does not match is not stored and its result says
+// so, and the others are stored all the same. Several small batches cost
+// much less stored together than one by one: a statement's fixed cost (its
+// triggers' statements) is paid once. An error (the database refused the
+// statement, or did not answer) is for all of them: nothing was stored, or,
+// if the answer was lost after the commit, everything that matched.
+func (s *Store) InsertBatches(ctx context.Context, batches []Batch) ([]BatchResult, error) {
+	if len(batches) == 0 {
+		return nil, nil
+	}
+	topic := batches[0].Pos.Topic
+	n, parts := 0, make(map[int32]bool, len(batches))
+	for _, b := range batches {
+		switch {
+		case b.Pos.Topic != topic:
+			return nil, fmt.Errorf("store batches of %s and %s in one statement: one topic only", topic, b.Pos.Topic)
+		case parts[b.Pos.Partition]:
+			return nil, fmt.Errorf("store batches of %s: two batches of partition %d in one statement", topic, b.Pos.Partition)
+		case len(b.Entries) == 0:
+			return nil, fmt.Errorf("store batches of %s: an empty batch of partition %d", topic, b.Pos.Partition)
+		}
+		parts[b.Pos.Partition] = true
+		n += len(b.Entries)
+	}
 	// The per-record arrays are filled in place; queries.IngestInsertParams
 	// says why some are pgtype.FlatArray.
 	var (
-		offsets  = make([]int64, n)
-		bizKeys  = make(pgtype.FlatArray[*string], n)
-		seqs     = make(pgtype.FlatArray[*int64], n)
-		targets  = make(pgtype.FlatArray[*string], n)
-		runAts   = make(pgtype.FlatArray[*time.Time], n)
-		delays   = make([]int64, n)
-		attempts = make([]int32, n)
-		states   = make([]string, n)
-		reasons  = make(pgtype.FlatArray[*string], n)
-		classes  = make(pgtype.FlatArray[*string], n)
-		messages = make(pgtype.FlatArray[*string], n)
-		origins  = make(pgtype.FlatArray[*int64], n)
-		keys     = make(pgtype.FlatArray[[]byte], n)
-		values   = make(pgtype.FlatArray[[]byte], n)
-		hRecord  []int32
-		hKeys    []string
-		hValues  pgtype.FlatArray[[]byte]
-		holds    = make([]bool, n)
-		dlqs     = make(pgtype.FlatArray[*string], n)
-		redrives = make([]int32, n)
-		groups   = make(pgtype.FlatArray[*string], n)
-		gated    = make([]bool, n)
+		partitions = make([]int32, 0, len(batches))
+		nexts      = make([]int64, 0, len(batches))
+		expected   = make([]int64, 0, len(batches))
+		epochs     = make([]int32, 0, len(batches))
+		recParts   = make([]int32, n)
+		offsets    = make([]int64, n)
+		bizKeys    = make(pgtype.FlatArray[*string], n)
+		seqs       = make(pgtype.FlatArray[*int64], n)
+		targets    = make(pgtype.FlatArray[*string], n)
+		runAts     = make(pgtype.FlatArray[*time.Time], n)
+		delays     = make([]int64, n)
+		attempts   = make([]int32, n)
+		states     = make([]string, n)
+		reasons    = make(pgtype.FlatArray[*string], n)
+		classes    = make(pgtype.FlatArray[*string], n)
+		messages   = make(pgtype.FlatArray[*string], n)
+		origins    = make(pgtype.FlatArray[*int64], n)
+		keys       = make(pgtype.FlatArray[[]byte], n)
+		values     = make(pgtype.FlatArray[[]byte], n)
+		hRecord    []int32
+		hKeys      []string
+		hValues    pgtype.FlatArray[[]byte]
+		holds      = make([]bool, n)
+		dlqs       = make(pgtype.FlatArray[*string], n)
+		redrives   = make([]int32, n)
+		groups     = make(pgtype.FlatArray[*string], n)
+		gated      = make([]bool, n)
 	)
-	for i := range entries {
-		e := &entries[i]
-		sc := &e.Schedule
-		offsets[i] = e.Offset
-		if sc.Ordered {
-			bizKeys[i] = &sc.BusinessKey
-		}
-		if sc.Seq > 0 {
-			seqs[i] = &sc.Seq
-		}
-		if sc.Target != "" {
-			targets[i] = &sc.Target
-		}
-		switch {
-		case e.Reject != nil, e.Decision.Park != nil:
-			// Never dispatched on their own: next_run_at is ingest time.
-		case sc.HasAt:
-			runAts[i] = &sc.At
-		case sc.FromPolicy:
-			delays[i] = e.Decision.Delay.Microseconds()
-		default:
-			delays[i] = sc.Delay.Microseconds()
-		}
-		attempts[i] = sc.Attempt
-		switch {
-		case e.Reject != nil:
-			// A rejected row holds nothing and has no policy: an operator
-			// who fixes it decides what becomes of it.
-			states[i] = "rejected"
-			reason := e.Reject.Error()
-			reasons[i] = &reason
-		default:
-			states[i] = "pending"
-			if e.Decision.Park != nil {
-				states[i] = "parked"
-				reason := e.Decision.Park.String()
+	i := 0
+	for _, b := range batches {
+		partitions = append(partitions, b.Pos.Partition)
+		nexts = append(nexts, b.Entries[len(b.Entries)-1].Offset+1)
+		expected = append(expected, b.Pos.Next)
+		epochs = append(epochs, b.Pos.Epoch)
+		for j := range b.Entries {
+			e := &b.Entries[j]
+			sc := &e.Schedule
+			recParts[i] = b.Pos.Partition
+			offsets[i] = e.Offset
+			if sc.Ordered {
+				bizKeys[i] = &sc.BusinessKey
+			}
+			if sc.Seq > 0 {
+				seqs[i] = &sc.Seq
+			}
+			if sc.Target != "" {
+				targets[i] = &sc.Target
+			}
+			switch {
+			case e.Reject != nil, e.Decision.Park != nil:
+				// Never dispatched on their own: next_run_at is ingest time.
+			case sc.HasAt:
+				runAts[i] = &sc.At
+			case sc.FromPolicy:
+				delays[i] = e.Decision.Delay.Microseconds()
+			default:
+				delays[i] = sc.Delay.Microseconds()
+			}
+			attempts[i] = sc.Attempt
+			switch {
+			case e.Reject != nil:
+				// A rejected row holds nothing and has no policy: an operator
+				// who fixes it decides what becomes of it.
+				states[i] = "rejected"
+				reason := e.Reject.Error()
 				reasons[i] = &reason
+			default:
+				states[i] = "pending"
+				if e.Decision.Park != nil {
+					states[i] = "parked"
+					reason := e.Decision.Park.String()
+					reasons[i] = &reason
+				}
+				holds[i] = !e.Decision.ReleaseKey
+				if e.Decision.DLQTopic != "" {
+					dlqs[i] = &e.Decision.DLQTopic
+				}
 			}
-			holds[i] = !e.Decision.ReleaseKey
-			if e.Decision.DLQTopic != "" {
-				dlqs[i] = &e.Decision.DLQTopic
+			redrives[i] = sc.RedriveCount
+			if sc.Group != "" {
+				groups[i] = &sc.Group
 			}
-		}
-		redrives[i] = sc.RedriveCount
-		if sc.Group != "" {
-			groups[i] = &sc.Group
-		}
-		gated[i] = sc.Gated
-		if sc.ErrorClass != "" {
-			classes[i] = &sc.ErrorClass
-		}
-		if sc.ErrorMessage != "" {
-			messages[i] = &sc.ErrorMessage
-		}
-		if sc.OriginID > 0 {
-			origins[i] = &sc.OriginID
-		}
-		keys[i] = e.Record.Key
-		values[i] = e.Record.Value
-		for _, h := range e.Record.Headers {
-			hRecord = append(hRecord, int32(i+1))
-			// A header key that is not text was rejected by Parse; it is still
-			// stored, in \x hex form, so nothing is lost.
-			hKeys = append(hKeys, protocol.Text(h.Key))
-			hValues = append(hValues, h.Value)
+			gated[i] = sc.Gated
+			if sc.ErrorClass != "" {
+				classes[i] = &sc.ErrorClass
+			}
+			if sc.ErrorMessage != "" {
+				messages[i] = &sc.ErrorMessage
+			}
+			if sc.OriginID > 0 {
+				origins[i] = &sc.OriginID
+			}
+			keys[i] = e.Record.Key
+			values[i] = e.Record.Value
+			for _, h := range e.Record.Headers {
+				hRecord = append(hRecord, int32(i+1))
+				// A header key that is not text was rejected by Parse; it is still
+				// stored, in \x hex form, so nothing is lost.
+				hKeys = append(hKeys, protocol.Text(h.Key))
+				hValues = append(hValues, h.Value)
+			}
+			i++
 		}
 	}
 	minID, minSeq := s.marks.Get()
-	row, err := queries.IngestInsert(ctx, s.pool, queries.IngestInsertParams{
-		Topic: topic, Partition: partition, Offsets: offsets, BusinessKeys: bizKeys, Seqs: seqs, Targets: targets,
+	rows, err := queries.IngestInsert(ctx, s.pool, queries.IngestInsertParams{
+		Topic: topic, Partitions: partitions, Offsets: offsets, BusinessKeys: bizKeys, Seqs: seqs, Targets: targets,
 		RunAts: runAts, DelaysMicros: delays, Attempts: attempts, States: states, Reasons: reasons,
 		ErrorClasses: classes, ErrorMessages: messages, OriginIDs: origins, Keys: keys, Values: values,
-		HeaderRecords: hRecord, HeaderKeys: hKeys, HeaderValues: hValues, NextOffset: offsets[n-1] + 1,
-		HoldsKey: holds, DLQTopics: dlqs, RedriveCounts: redrives, ExpectedNext: pos.Next, Epoch: pos.Epoch,
-		MinID: minID, MinSeq: minSeq, Groups: groups, Gated: gated,
+		HeaderRecords: hRecord, HeaderKeys: hKeys, HeaderValues: hValues, NextOffsets: nexts,
+		HoldsKey: holds, DLQTopics: dlqs, RedriveCounts: redrives, Expected: expected, Epochs: epochs,
+		MinID: minID, MinSeq: minSeq, Groups: groups, Gated: gated, RecordPartitions: recParts,
 	})
 	if err != nil {
-		return Inserted{}, fmt.Errorf("store %d records of %s/%d (offsets %d..%d): %w",
-			n, topic, partition, offsets[0], offsets[n-1], err)
+		return nil, fmt.Errorf("store %s: %w", describe(batches), err)
 	}
-	if !row.Matched {
-		return Inserted{}, fmt.Errorf("store %d records of %s/%d (offsets %d..%d) after %s: %w",
-			n, topic, partition, offsets[0], offsets[n-1], pos, ErrPositionMoved)
+	byPartition := make(map[int32]queries.IngestInsertRow, len(rows))
+	for _, r := range rows {
+		byPartition[r.Partition] = r
 	}
-	if row.MaxID != nil && row.MaxSeq != nil {
-		s.marks.Observe(*row.MaxID, *row.MaxSeq)
+	out := make([]BatchResult, len(batches))
+	for k, b := range batches {
+		r, ok := byPartition[b.Pos.Partition]
+		switch {
+		case !ok:
+			// The statement returns a row per batch; this would be a bug in it.
+			return nil, fmt.Errorf("store %s: no result for partition %d", describe(batches), b.Pos.Partition)
+		case !r.Matched:
+			out[k].Err = fmt.Errorf("store %s after %s: %w", describe(batches[k:k+1]), b.Pos, ErrPositionMoved)
+			continue
+		}
+		if r.MaxID != nil && r.MaxSeq != nil {
+			s.marks.Observe(*r.MaxID, *r.MaxSeq)
+		}
+		out[k].Inserted = Inserted{Stored: r.Stored, Rejected: r.Rejected, Parked: r.Parked, Gated: r.Gated}
 	}
-	return Inserted{Stored: row.Stored, Rejected: row.Rejected, Parked: row.Parked, Gated: row.Gated}, nil
+	return out, nil
+}
+
+// describe names batches for errors: "7 records of t/3 (offsets 10..16)",
+// or, for several, "12 records of t: 3 (offsets 10..16), 5 (offsets 7..11)".
+func describe(batches []Batch) string {
+	n := 0
+	for _, b := range batches {
+		n += len(b.Entries)
+	}
+	first := batches[0]
+	if len(batches) == 1 {
+		return fmt.Sprintf("%d records of %s/%d (offsets %d..%d)", n, first.Pos.Topic, first.Pos.Partition,
+			first.Entries[0].Offset, first.Entries[len(first.Entries)-1].Offset)
+	}
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "%d records of %s: ", n, first.Pos.Topic)
+	for k, b := range batches {
+		if k > 0 {
+			sb.WriteString(", ")
+		}
+		fmt.Fprintf(&sb, "%d (offsets %d..%d)", b.Pos.Partition, b.Entries[0].Offset, b.Entries[len(b.Entries)-1].Offset)
+	}
+	return sb.String()
 }
 
 // String renders pos for logs and errors.
