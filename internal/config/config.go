@@ -86,7 +86,7 @@ type Config struct {
 	LogLevel        string        `env:"LOG_LEVEL" envDefault:"info" form:"debug, info, warn or error" help:"log level"`
 	LogFormat       string        `env:"LOG_FORMAT" envDefault:"text" form:"text or json" help:"log format"`
 	ShutdownTimeout time.Duration `env:"SHUTDOWN_TIMEOUT" envDefault:"30s" form:"Go duration" help:"longest a graceful stop waits for in-flight work"`
-	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message"`
+	MetricsInterval time.Duration `env:"METRICS_INTERVAL" envDefault:"15s" form:"Go duration, 100ms..1h" help:"how often the backlog gauges (scheduler_messages, scheduler_oldest_due_seconds, ...) and scheduler_ready are refreshed; each refresh counts deferred_message, and a count that takes more than a 20th of the interval stretches the gauges' interval to 20 times the count"`
 
 	// The operator console (internal/console, docs/console.md).
 	ConsoleAddr           string        `env:"CONSOLE_ADDR" form:"host:port, or empty" help:"serve the operator console (docs/console.md) here, apart from HTTP_ADDR so that it can be exposed to people while /metrics stays internal; empty: off"`
