@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sort"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -42,6 +44,64 @@ type fairResult struct {
 	// checks are the read back of the warm-up's, the backlog's and the
 	// quiet target's topics.
 	checks []check
+	// vacuum is what autovacuum did in the scenario's database from the
+	// UPDATE's commit to the end of the quiet records, and the quiet
+	// records due during the drain or after it split by whether an
+	// autovacuum worker ran at their due time: on two cores, a vacuum of
+	// the drained tables competes with everything else.
+	vacuum             vacuumSeen
+	underVacuum, clear latencies
+}
+
+// vacuumSeen is what sampling pg_stat_activity saw of autovacuum workers.
+type vacuumSeen struct {
+	// at holds, per sample, its time and whether a worker ran then.
+	at      []time.Time
+	running []bool
+	// busy is, per worker query ("autovacuum: VACUUM public.deferred_message"),
+	// the time it was seen running (samples times the interval).
+	busy map[string]time.Duration
+}
+
+// vacuumSample is how often watchVacuum looks.
+const vacuumSample = 50 * time.Millisecond
+
+// watchVacuum samples the autovacuum workers of db's database until stop
+// is closed, then returns what it saw. A failed sample is skipped: this
+// only explains figures, it measures none.
+func watchVacuum(ctx context.Context, db *database, stop <-chan struct{}) vacuumSeen {
+	v := vacuumSeen{busy: map[string]time.Duration{}}
+	tick := time.NewTicker(vacuumSample)
+	defer tick.Stop()
+	for {
+		select {
+		case <-stop:
+			return v
+		case <-ctx.Done():
+			return v
+		case now := <-tick.C:
+			rows, err := db.pool.Query(ctx, `SELECT query FROM pg_stat_activity
+				WHERE backend_type = 'autovacuum worker' AND datname = current_database() AND query <> ''`)
+			if err != nil {
+				continue
+			}
+			queries, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				continue
+			}
+			for _, q := range queries {
+				v.busy[q] += vacuumSample
+			}
+			v.at = append(v.at, now)
+			v.running = append(v.running, len(queries) > 0)
+		}
+	}
+}
+
+// runningAt reports whether the last sample at or before t saw a worker.
+func (v vacuumSeen) runningAt(t time.Time) bool {
+	i := sort.Search(len(v.at), func(i int) bool { return v.at[i].After(t) })
+	return i > 0 && v.running[i-1]
 }
 
 // runFair measures fairness between targets: a backlog of FairBacklog
@@ -168,6 +228,18 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 		return *q
 	}
 	defer endQuiet()
+	stopWatch := make(chan struct{})
+	watched := make(chan vacuumSeen, 1)
+	go func() { watched <- watchVacuum(ctx, db, stopWatch) }()
+	endWatch := func() vacuumSeen {
+		if stopWatch != nil {
+			close(stopWatch)
+			stopWatch = nil
+			res.vacuum = <-watched
+		}
+		return res.vacuum
+	}
+	defer endWatch()
 	pr, err := track(ctx, "backlog drain", func() (int64, error) { return w.count(topicFairBacklog) }, 0, int64(res.backlog), timeoutFor(res.backlog))
 	if err != nil {
 		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
@@ -186,6 +258,7 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 	if _, err := track(ctx, "quiet target", func() (int64, error) { return w.count(topicFairQuiet) }, 0, int64(sent.n), timeoutFor(sent.n)); err != nil {
 		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
+	vacuum := endWatch()
 	stopped = true
 	if err := svc.Stop(time.Minute); err != nil {
 		return res, err
@@ -209,15 +282,21 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 		if err != nil {
 			return res, err
 		}
-		var alone, during, after []time.Duration
+		var alone, during, after, vacuuming, clear []time.Duration
 		for i, d := range ds {
 			switch {
 			case d.scheduledAt.Before(t0):
 				alone = append(alone, ls[i])
+				continue
 			case !d.scheduledAt.After(drained):
 				during = append(during, ls[i])
 			default:
 				after = append(after, ls[i])
+			}
+			if vacuum.runningAt(d.scheduledAt) {
+				vacuuming = append(vacuuming, ls[i])
+			} else {
+				clear = append(clear, ls[i])
 			}
 		}
 		of := func(ls []time.Duration, d time.Duration) latencies {
@@ -225,6 +304,7 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 				p50: percentile(ls, 0.50), p99: percentile(ls, 0.99), max: percentile(ls, 1)}
 		}
 		res.alone, res.during, res.after = of(alone, fairAside), of(during, drained.Sub(t0)), of(after, fairAside)
+		res.underVacuum, res.clear = of(vacuuming, 0), of(clear, 0)
 	}
 	var left int64
 	if err := db.pool.QueryRow(ctx, "SELECT count(*) FROM deferred_message WHERE state = 'pending'").Scan(&left); err != nil {
@@ -295,6 +375,8 @@ func (f fairResult) summarize(s *summary) {
 	s.set("fair_backlog_msgs", float64(f.backlog))
 	s.set("fair_expedite_ms", ms(f.expedite))
 	s.set("fair_cpu_speed", f.speed)
+	s.set("fair_quiet_vacuum_p99_ms", ms(f.underVacuum.p99))
+	s.set("fair_quiet_novacuum_p99_ms", ms(f.clear.p99))
 	var delivered, expected, outOfOrder int
 	for _, c := range f.checks {
 		delivered += c.delivered
@@ -336,6 +418,29 @@ func (f fairResult) write(w io.Writer) {
 		f.fill.Seconds(), f.expedite.Seconds())
 	fmt.Fprintf(w, "service %.1fs, Postgres %.1fs, this process %.1fs; one core sorted %.1f M integers/s before the service started.\n",
 		f.drain.cpu.service.Seconds(), f.drain.cpu.postgres.Seconds(), f.drain.cpu.bench.Seconds(), f.speed)
+	f.writeVacuum(w)
+}
+
+// writeVacuum says what autovacuum did from the UPDATE on, and the quiet
+// records' lateness with and without a worker running at their due time.
+func (f fairResult) writeVacuum(w io.Writer) {
+	if len(f.vacuum.busy) == 0 {
+		fmt.Fprintf(w, "Autovacuum: no worker seen in this database from the UPDATE's commit on (sampled every %v).\n", vacuumSample)
+		return
+	}
+	names := make([]string, 0, len(f.vacuum.busy))
+	for q := range f.vacuum.busy {
+		names = append(names, q)
+	}
+	sort.Strings(names)
+	parts := make([]string, len(names))
+	for i, q := range names {
+		parts[i] = fmt.Sprintf("%s %.1fs", strings.TrimPrefix(q, "autovacuum: "), f.vacuum.busy[q].Seconds())
+	}
+	fmt.Fprintf(w, "Autovacuum from the UPDATE's commit on (sampled every %v): %s.\n", vacuumSample, strings.Join(parts, ", "))
+	fmt.Fprintf(w, "Quiet records due from then on, with a worker running at their due time: %d, p50 %.1fms, p99 %.1fms;\n",
+		f.underVacuum.sent, ms(f.underVacuum.p50), ms(f.underVacuum.p99))
+	fmt.Fprintf(w, "with none: %d, p50 %.1fms, p99 %.1fms.\n", f.clear.sent, ms(f.clear.p50), ms(f.clear.p99))
 }
 
 // onlyFair is BENCH_ONLY's value for the fairness scenario alone.

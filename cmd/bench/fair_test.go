@@ -3,6 +3,7 @@ package main
 import (
 	"strings"
 	"testing"
+	"time"
 )
 
 // The fairness scenario alone (BENCH_ONLY=fair) in the smoke size: the
@@ -27,8 +28,15 @@ func TestSmokeFair(t *testing.T) {
 		t.Errorf("delivered %v of %v messages (want at least %v), %v out of per-key order",
 			vals["fair_delivered"], vals["fair_expected"], least, vals["fair_out_of_order"])
 	}
+	// Whether autovacuum runs in the smoke size is up to Postgres: the keys
+	// must be there, not positive.
+	for _, k := range []string{"fair_quiet_vacuum_p99_ms", "fair_quiet_novacuum_p99_ms"} {
+		if _, ok := vals[k]; !ok {
+			t.Errorf("RESULT lacks %s", k)
+		}
+	}
 	for _, want := range []string{"FAIRNESS BETWEEN TARGETS", topicFairBacklog, topicFairQuiet, "due during the drain",
-		"machine:", "speed:", "COMPARED WITH THE TARGETS", "quiet target p99 lateness"} {
+		"machine:", "speed:", "COMPARED WITH THE TARGETS", "quiet target p99 lateness", "Autovacuum"} {
 		if !strings.Contains(report, want) {
 			t.Errorf("report lacks %q", want)
 		}
@@ -56,6 +64,32 @@ func TestConfigFromEnvFairScale(t *testing.T) {
 		if cfg.Only != tc.only || cfg.FairBacklog != tc.backlog || cfg.ScaleBacklogs[len(cfg.ScaleBacklogs)-1] != tc.largest {
 			t.Errorf("configFromEnv(%q) = only %q, fair backlog %d, scale backlogs %v; want %q, %d, up to %d",
 				tc.environ, cfg.Only, cfg.FairBacklog, cfg.ScaleBacklogs, tc.only, tc.backlog, tc.largest)
+		}
+	}
+}
+
+// TestVacuumRunningAt checks how a quiet record's due time is matched with
+// the autovacuum samples: the last sample at or before it decides.
+func TestVacuumRunningAt(t *testing.T) {
+	t0 := time.Date(2026, 11, 25, 19, 0, 0, 0, time.UTC)
+	v := vacuumSeen{
+		at:      []time.Time{t0, t0.Add(50 * time.Millisecond), t0.Add(100 * time.Millisecond)},
+		running: []bool{false, true, false},
+	}
+	for _, tc := range []struct {
+		at   time.Duration
+		want bool
+	}{
+		{-time.Millisecond, false}, // before the first sample
+		{0, false},
+		{49 * time.Millisecond, false},
+		{50 * time.Millisecond, true},
+		{99 * time.Millisecond, true},
+		{100 * time.Millisecond, false},
+		{time.Hour, false}, // after the last sample, which saw none
+	} {
+		if got := v.runningAt(t0.Add(tc.at)); got != tc.want {
+			t.Errorf("runningAt(t0%+v) = %v, want %v", tc.at, got, tc.want)
 		}
 	}
 }
