@@ -891,37 +891,65 @@ func TestStoreInsertKeepsSequencesPastMarks(t *testing.T) {
 // ingest does. Its time is mostly Postgres's; its allocations per batch
 // (-benchmem) are the service's own cost of encoding the batch, and do not
 // depend on the machine.
+// BenchmarkStoreInsert stores batches of typical first deferrals: one
+// partition's batch of 6, 50 and 1,000 records, and 64 partitions' batches
+// of 6 in one statement (what ingest's writer combines when a live stream
+// is spread over many partitions). us/rec compares them: a statement's
+// fixed cost is paid once per batch, or once for the 64.
 func BenchmarkStoreInsert(b *testing.B) {
-	db := pgtest.NewDB(b)
-	store := NewStore(db.Pool, nil)
-	rules := ingestRules()
-	entries := make([]Entry, 1000)
-	for i := range entries {
-		// A typical first deferral: six headers, one of them the producer's own.
-		rec := protocol.Record{
-			Key:   fmt.Appendf(nil, "order-%d", i),
-			Value: []byte(`{"order_id":1234567,"status":"created"}`),
-			Headers: hs("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-				protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "30s", protocol.HeaderAttempt, "2",
-				protocol.HeaderErrorClass, "TimeoutException", protocol.HeaderErrorMessage, "inventory service: deadline exceeded after 5s"),
-		}
-		sc, err := protocol.Parse(rec, rules, time.Now())
-		if err != nil {
-			b.Fatal(err)
-		}
-		entries[i] = Entry{Record: rec, Schedule: sc}
-	}
-	pos := Position{Topic: "scheduler.defer", Next: NoPosition}
-	var offset int64
-	b.ReportAllocs()
-	for b.Loop() {
-		for i := range entries {
-			entries[i].Offset = offset
-			offset++
-		}
-		if _, err := store.Insert(b.Context(), pos, entries); err != nil {
-			b.Fatal(err)
-		}
-		pos.Next = offset
+	for _, tc := range []struct {
+		name             string
+		partitions, size int
+	}{
+		{"batch=6", 1, 6},
+		{"batch=50", 1, 50},
+		{"batch=1000", 1, 1000},
+		{"64_partitions_x6_in_one_statement", 64, 6},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			db := pgtest.NewDB(b)
+			store := NewStore(db.Pool, nil)
+			rules := ingestRules()
+			batches := make([]Batch, tc.partitions)
+			for p := range batches {
+				batches[p] = Batch{Pos: Position{Topic: "scheduler.defer", Partition: int32(p), Next: NoPosition},
+					Entries: make([]Entry, tc.size)}
+			}
+			var offset int64
+			b.ReportAllocs()
+			for b.Loop() {
+				for p := range batches {
+					for i := range batches[p].Entries {
+						// A typical first deferral: six headers, one of them
+						// the producer's own, and its own business key.
+						key := fmt.Sprintf("order-%d-%d", p, offset+int64(i))
+						rec := protocol.Record{
+							Key:   []byte(key),
+							Value: []byte(`{"order_id":1234567,"status":"created"}`),
+							Headers: hs("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+								protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "30s", protocol.HeaderKey, key,
+								protocol.HeaderErrorClass, "TimeoutException", protocol.HeaderErrorMessage, "inventory service: deadline exceeded after 5s"),
+						}
+						sc, err := protocol.Parse(rec, rules, time.Now())
+						if err != nil {
+							b.Fatal(err)
+						}
+						batches[p].Entries[i] = Entry{Offset: offset + int64(i), Record: rec, Schedule: sc}
+					}
+				}
+				out, err := store.InsertBatches(b.Context(), batches)
+				if err != nil {
+					b.Fatal(err)
+				}
+				offset += int64(tc.size)
+				for p := range batches {
+					if out[p].Err != nil || out[p].Stored != int64(tc.size) {
+						b.Fatalf("partition %d: stored %d, %v", p, out[p].Stored, out[p].Err)
+					}
+					batches[p].Pos.Next = offset
+				}
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*tc.partitions*tc.size), "us/rec")
+		})
 	}
 }

@@ -17,10 +17,10 @@ import (
 //
 // Why: each partition's claim writes its own batches, and a statement has a
 // fixed cost (its statement-level triggers run their own statements) that a
-// small batch pays in full: a 6-record batch cost about 190 µs per record
-// against 42 for 384 records (docs/benchmarks.md, "Partitions"). A live
-// stream over 64 partitions makes many small batches, each bounded by the
-// linger rather than the batch size.
+// small batch pays in full, several times what a record costs in a full
+// batch (BenchmarkStoreInsert; docs/benchmarks.md, "Partitions and ingest's
+// writers"). A live stream over 64 partitions makes many small batches,
+// each cut by the linger rather than the batch size.
 type writer struct {
 	store      *Store
 	slots      chan struct{}
