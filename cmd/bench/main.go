@@ -111,6 +111,9 @@ type config struct {
 	// scaling curves (scale.go): dispatch loops of one replica
 	// (DISPATCH_WORKERS), replicas, far-future rows.
 	ScaleLoops, ScaleReplicas, ScaleBacklogs []int
+	// SettleMax is how long a scaling point waits at most for the service
+	// and Postgres to settle after the warm-up (scale.go's settle).
+	SettleMax time.Duration
 	// Only names the one scenario to run ("gate" or "console"); "" runs them
 	// all.
 	Only string
@@ -151,18 +154,18 @@ var modes = map[string]config{
 		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Large: 400, Partitions: 4,
 		FairBacklog: 1_000_000, FairRate: 100,
 		ScaleLoops: []int{1, 2, 4}, ScaleReplicas: []int{1, 2, 4}, ScaleBacklogs: []int{0, 1_000_000, 10_000_000},
-		GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 1_000_000, ConsoleRequests: 20, SpeedProbe: time.Second},
+		SettleMax: time.Minute, GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 1_000_000, ConsoleRequests: 20, SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
 		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Large: 200, Partitions: 4,
 		FairBacklog: 200_000, FairRate: 100,
 		ScaleLoops: []int{1, 2, 4}, ScaleReplicas: []int{1, 2, 4}, ScaleBacklogs: []int{0, 250_000, 1_000_000},
-		GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 250_000, ConsoleRequests: 10, SpeedProbe: time.Second},
+		SettleMax: time.Minute, GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 250_000, ConsoleRequests: 10, SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
 		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Large: 6, Partitions: 4,
 		FairBacklog: 2_000, FairRate: 100,
 		ScaleLoops: []int{1, 4}, ScaleReplicas: []int{1, 2}, ScaleBacklogs: []int{0, 10_000},
-		GateCalls: 20, GateRate: 300, GateRelease: 20, ConsoleRows: 20_000, ConsoleRequests: 2, SpeedProbe: 50 * time.Millisecond},
+		SettleMax: time.Second, GateCalls: 20, GateRate: 300, GateRelease: 20, ConsoleRows: 20_000, ConsoleRequests: 2, SpeedProbe: 50 * time.Millisecond},
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when

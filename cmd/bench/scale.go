@@ -46,8 +46,15 @@ type scalePoint struct {
 	spec  scaleSpec
 	fill  time.Duration // inserting its backlog
 	speed float64       // cpuSpeed right before the service started
+	// settle is how long the service and Postgres took after the warm-up
+	// to spend less than settleBelow of CPU a second (at most SettleMax;
+	// settled says whether they did): what a service does once at start,
+	// such as the first count of the backlog gauges and the first
+	// maintenance run's lease sweep, both of which read every row.
+	settle  time.Duration
+	settled bool
 	// idle is the CPU the service and Postgres spent while nothing was due,
-	// per second of wall time, after the warm-up.
+	// per second of wall time, once settled.
 	idle time.Duration
 	e2e  rate
 	// published is how many of the measured messages each replica says it
@@ -64,6 +71,7 @@ type scalePoint struct {
 type scaleResult struct {
 	points                    []scalePoint
 	loops, replicas, backlogs []int
+	settleMax                 time.Duration // the mode's SettleMax
 }
 
 // runScale measures end-to-end throughput, as runScheduler's end-to-end
@@ -80,6 +88,7 @@ type scaleResult struct {
 // then the N records are timed. The claim's cost must not grow with the far-future rows, so each
 // point also reports Postgres's CPU per message.
 func (b *bench) runScale(ctx context.Context) (res scaleResult, err error) {
+	res.settleMax = b.cfg.SettleMax
 	ran := map[scaleSpec]int{}
 	point := func(sp scaleSpec) (int, error) {
 		if i, ok := ran[sp]; ok {
@@ -212,6 +221,9 @@ func (b *bench) runScalePoint(ctx context.Context, sp scaleSpec) (p scalePoint, 
 	for i, s := range svcs {
 		pids[i] = s.Pid()
 	}
+	if p.settle, p.settled, err = b.settle(ctx, pids); err != nil {
+		return p, err
+	}
 	// Idle, as long as the speed probe: what polling costs with nothing
 	// due (the far-future rows must cost nothing here either).
 	idleFrom, cpuIdle := time.Now(), b.cpuOf(pids)
@@ -284,6 +296,37 @@ func (b *bench) cpuOf(pids []int) cpuTimes {
 		t.service += sampleCPU(pid, 0).service
 	}
 	return t
+}
+
+// Settling: the service and Postgres count as settled once they spend less
+// than settleBelow of CPU a second over settleWindow; settle waits at most
+// the mode's SettleMax for that.
+const (
+	settleWindow = 500 * time.Millisecond
+	settleBelow  = 200 * time.Millisecond
+)
+
+// settle waits until the replicas pids and Postgres have settled, and
+// returns how long that took and whether they did within SettleMax. The
+// curves measure the steady state: with ten million rows, the first count
+// of the backlog gauges and the first lease sweep take seconds of every
+// core right after the start, and would otherwise land in the idle window
+// and in the timed phase. The time they take is reported beside the point.
+func (b *bench) settle(ctx context.Context, pids []int) (time.Duration, bool, error) {
+	start := time.Now()
+	for time.Since(start) < b.cfg.SettleMax {
+		before, at := b.cpuOf(pids), time.Now()
+		select {
+		case <-time.After(settleWindow):
+		case <-ctx.Done():
+			return time.Since(start), false, ctx.Err()
+		}
+		spent := b.cpuOf(pids).sub(before)
+		if float64(spent.service+spent.postgres)/time.Since(at).Seconds() < float64(settleBelow) {
+			return time.Since(start), true, nil
+		}
+	}
+	return time.Since(start), false, nil
 }
 
 // waitGroupStable waits until consumer group group is Stable with members
@@ -382,6 +425,7 @@ func (r scaleResult) summarize(s *summary) {
 			s.set(key+"_svc_cpu_us_per_msg", perMessage(p.e2e.cpu.service, p.e2e.n))
 			s.set(key+"_speed", p.speed)
 			s.set(key+"_idle_cpu_ms_per_s", ms(p.idle))
+			s.set(key+"_settle_s", p.settle.Seconds())
 		}
 	}
 	if len(r.backlogs) > 1 {
@@ -406,10 +450,12 @@ func (r scaleResult) write(w io.Writer, n int) {
 	fmt.Fprintf(w, "\nSCALING, end to end, own keys: %s records due now produced as fast as the producer goes, from the first send to the\n", group(float64(n)))
 	fmt.Fprintln(w, "last arrival; a fresh database and broker per configuration. CPU per message: the service (all replicas), Postgres")
 	fmt.Fprintln(w, "(every process of the server: on a shared server, others' work too), this process. speed: one core's sorting rate")
-	fmt.Fprintln(w, "(M integers/s) probed right before the point's service started; compare figures only at like speeds. idle: CPU")
-	fmt.Fprintln(w, "milliseconds a second the service and Postgres spent with nothing due, after the warm-up.")
+	fmt.Fprintln(w, "(M integers/s) probed right before the point's service started; compare figures only at like speeds. settle: after")
+	fmt.Fprintf(w, "the warm-up, how long the service and Postgres took to spend less than %.0f ms of CPU a second (what they do once\n", ms(settleBelow))
+	fmt.Fprintf(w, "at start, e.g. counting every row for the gauges; \"!\" if not within %v); idle: CPU milliseconds a second they\n", r.settleMax)
+	fmt.Fprintln(w, "spent with nothing due, once settled. The timed phase starts after both.")
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "curve\tloops/replica\treplicas\tfar-future rows\twall\tmsgs/s\tµs svc\tµs pg\tµs bench\tidle ms/s\tspeed\tpublished per replica\t")
+	fmt.Fprintln(tw, "curve\tloops/replica\treplicas\tfar-future rows\twall\tmsgs/s\tµs svc\tµs pg\tµs bench\tsettle\tidle ms/s\tspeed\tpublished per replica\t")
 	for _, c := range r.curves() {
 		for _, i := range c.points {
 			p := r.points[i]
@@ -424,9 +470,13 @@ func (r scaleResult) write(w io.Writer, n int) {
 					shares[j] = group(float64(v))
 				}
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%.2fs\t%s\t%.0f\t%.0f\t%.0f\t%.0f\t%.1f\t%s\t\n", c.name, loops, p.spec.replicas, group(float64(p.spec.backlog)),
+			settle := fmt.Sprintf("%.1fs", p.settle.Seconds())
+			if !p.settled {
+				settle += "!"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%.2fs\t%s\t%.0f\t%.0f\t%.0f\t%s\t%.0f\t%.1f\t%s\t\n", c.name, loops, p.spec.replicas, group(float64(p.spec.backlog)),
 				p.e2e.wall.Seconds(), group(p.e2e.perSecond()), perMessage(p.e2e.cpu.service, p.e2e.n), perMessage(p.e2e.cpu.postgres, p.e2e.n),
-				perMessage(p.e2e.cpu.bench, p.e2e.n), ms(p.idle), p.speed, strings.Join(shares, " / "))
+				perMessage(p.e2e.cpu.bench, p.e2e.n), settle, ms(p.idle), p.speed, strings.Join(shares, " / "))
 		}
 	}
 	tw.Flush()

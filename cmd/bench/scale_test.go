@@ -32,7 +32,7 @@ func TestSmokeScale(t *testing.T) {
 		// Postgres's CPU is 0 when its processes are not readable; idle CPU
 		// may well be 0; the service's, over a smoke phase of about 50 ms
 		// counted in 10 ms ticks, can read 0 (it did on a fast machine).
-		for _, suffix := range []string{"_svc_cpu_us_per_msg", "_pg_cpu_us_per_msg", "_idle_cpu_ms_per_s"} {
+		for _, suffix := range []string{"_svc_cpu_us_per_msg", "_pg_cpu_us_per_msg", "_idle_cpu_ms_per_s", "_settle_s"} {
 			if _, ok := vals[k+suffix]; !ok {
 				t.Errorf("RESULT lacks %s", k+suffix)
 			}
@@ -41,7 +41,7 @@ func TestSmokeScale(t *testing.T) {
 	if vals["scale_expected"] == 0 || vals["scale_delivered"] != vals["scale_expected"] || vals["scale_out_of_order"] != 0 {
 		t.Errorf("delivered %v of %v messages, %v out of per-key order", vals["scale_delivered"], vals["scale_expected"], vals["scale_out_of_order"])
 	}
-	for _, want := range []string{"SCALING", "published per replica", "machine:", "speed:"} {
+	for _, want := range []string{"SCALING", "published per replica", "machine:", "speed:", "settle"} {
 		if !strings.Contains(report, want) {
 			t.Errorf("report lacks %q", want)
 		}
