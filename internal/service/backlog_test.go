@@ -16,7 +16,7 @@ func TestBacklogWait(t *testing.T) {
 		{15 * time.Second, 100 * time.Millisecond, 15 * time.Second},
 		{15 * time.Second, 750 * time.Millisecond, 15 * time.Second}, // exactly a 20th
 		{15 * time.Second, time.Second, 20 * time.Second},
-		{15 * time.Second, 5 * time.Second, 100 * time.Second}, // 10,000,000 rows on the bench machine
+		{15 * time.Second, 4 * time.Second, 80 * time.Second}, // 10,000,000 rows on the bench machine
 		{200 * time.Millisecond, 50 * time.Millisecond, time.Second},
 		{time.Hour, time.Minute, time.Hour},
 	} {
