@@ -1,5 +1,6 @@
 -- The backlog gauges (internal/metrics), read by each process every
--- METRICS_INTERVAL, never per scrape. No parameters. Returns one row per
+-- METRICS_INTERVAL, or less often while a read takes more than a 20th of it
+-- (internal/service's backlogDuty), never per scrape. No parameters. Returns one row per
 -- target topic and state: the target (NULL for rejected records that named
 -- none), the state, its message count and how many of those are pending and
 -- past their due time; and, repeated on every row:
