@@ -167,6 +167,8 @@ func TestConfigRejectsBadValues(t *testing.T) {
 			[]string{`INGEST_BATCH_SIZE="0"`, "integer 1..100000"}},
 		{"integer unparsable", []string{"INGEST_BATCH_SIZE=x"}, []string{"INGEST_BATCH_SIZE"},
 			[]string{`INGEST_BATCH_SIZE="x"`, "integer 1..100000"}},
+		{"writers above range", []string{"INGEST_WRITERS=65"}, []string{"INGEST_WRITERS"},
+			[]string{`INGEST_WRITERS="65"`, "integer 1..64"}},
 		{"integer above range", []string{"DB_MAX_CONNS=5000"}, []string{"DB_MAX_CONNS"},
 			[]string{`DB_MAX_CONNS="5000"`, "integer 4..1000"}},
 		{"dispatch loops zero", []string{"DISPATCH_LOOPS=0"}, []string{"DISPATCH_LOOPS"},

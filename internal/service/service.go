@@ -569,8 +569,8 @@ func backlogWait(interval, took time.Duration) time.Duration {
 }
 
 // refreshBacklog reads the backlog gauges every METRICS_INTERVAL, or less
-// often while a read takes more than a backlogDuty-th of it (backlogWait),
-// and says so in the log when that starts and when it ends.
+// often while a read that answers takes more than a backlogDuty-th of it
+// (backlogWait), and says so in the log when that starts and when it ends.
 func (s *Service) refreshBacklog(ctx context.Context) {
 	failing, stretched := false, false
 	for {
@@ -594,7 +594,13 @@ func (s *Service) refreshBacklog(ctx context.Context) {
 			failing = false
 			s.metrics.SetBacklog(b)
 		}
-		wait := backlogWait(s.cfg.MetricsInterval, took)
+		// Only a read that answered says what counting costs: a failed one
+		// may have waited out the timeout for a database that did not
+		// answer, and is tried again after the interval.
+		wait := s.cfg.MetricsInterval
+		if err == nil {
+			wait = backlogWait(s.cfg.MetricsInterval, took)
+		}
 		if long := wait > s.cfg.MetricsInterval; long != stretched {
 			stretched = long
 			if long {
@@ -607,7 +613,7 @@ func (s *Service) refreshBacklog(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(wait - took):
+		case <-time.After(max(wait-took, 0)):
 		}
 	}
 }
