@@ -30,8 +30,7 @@ type writer struct {
 	mu    sync.Mutex
 	queue []*writeRequest
 
-	// statements and batches count what was written, for tests and the
-	// combined-batches log.
+	// statements and batches count what was written (the tests read them).
 	statements, batches atomic.Int64
 }
 
