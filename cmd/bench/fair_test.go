@@ -14,7 +14,7 @@ import (
 func TestSmokeFair(t *testing.T) {
 	cfg, report, vals := runSmoke(t, onlyFair)
 	for _, k := range []string{"fair_quiet_p99_ms", "fair_quiet_p50_ms", "fair_quiet_max_ms", "fair_quiet_msgs",
-		"fair_quiet_alone_p99_ms", "fair_backlog_msgs_per_s", "fair_cpu_speed", "fair_expected"} {
+		"fair_quiet_alone_p99_ms", "fair_backlog_msgs_per_s", "fair_quiet_to_store_p99_ms", "fair_quiet_to_publish_p99_ms", "fair_cpu_speed", "fair_expected"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
 		}
@@ -36,7 +36,7 @@ func TestSmokeFair(t *testing.T) {
 		}
 	}
 	for _, want := range []string{"FAIRNESS BETWEEN TARGETS", topicFairBacklog, topicFairQuiet, "due during the drain",
-		"machine:", "speed:", "COMPARED WITH THE TARGETS", "quiet target p99 lateness", "Autovacuum"} {
+		"machine:", "speed:", "COMPARED WITH THE TARGETS", "quiet target p99 lateness", "Autovacuum", "during the drain: due to stored p50"} {
 		if !strings.Contains(report, want) {
 			t.Errorf("report lacks %q", want)
 		}
