@@ -36,7 +36,9 @@
 -- limited target's backlog. The held keys are the 'infinity' end of each
 -- target's range of deferred_key_target_due (a held head is never
 -- throttled; deferred_key_due stops short of 'infinity', see migration
--- 0009), found with the claim's loose scan of the targets (deferred_key_target). The counts read all of
+-- 0009), found with the claim's loose scan of the targets (deferred_key_target). The keys
+-- backing off are read from the partial index deferred_key_failing
+-- (migration 0010): a few entries. The counts read all of
 -- deferred_message, which is why this runs on an interval.
 WITH counts AS (
     SELECT target_topic, state, count(*) AS messages,

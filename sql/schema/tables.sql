@@ -213,6 +213,10 @@ CREATE INDEX deferred_key_head_id ON deferred_key (head_id);
 CREATE INDEX deferred_key_due ON deferred_key (next_run_at) WHERE NOT throttled AND next_run_at < 'infinity';
 CREATE INDEX deferred_key_target_due ON deferred_key (head_target, next_run_at) WHERE NOT throttled;
 CREATE INDEX deferred_key_throttled ON deferred_key (head_target, next_run_at) WHERE throttled;
+-- The keys backing off after retriable failures, for the backlog gauge's
+-- held_keys count; on failures alone, so that leases stay HOT updates
+-- (migration 0010).
+CREATE INDEX deferred_key_failing ON deferred_key (failures) WHERE failures > 0;
 
 -- ---------------------------------------------------------------------------
 -- deferred_attempt: the attempt history, one row per thing that happened to
