@@ -6,6 +6,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -14,7 +15,8 @@ import (
 // (no new index entries, the old version pruned in place) when the new
 // version fits on its page: migration 0004's fillfactor makes room for all
 // of them. At the previous fillfactor (70) about 42% of a claim's leases
-// were HOT.
+// were HOT. Releasing them is HOT too: the release writes failures back
+// unchanged, and no index holds a lease column.
 func TestClaimUpdatesAreHOT(t *testing.T) {
 	db := pgtest.NewDB(t)
 	ctx := t.Context()
@@ -49,6 +51,7 @@ FROM generate_series(1, $1::int) AS g`, keys)
 
 	l := newLocker(t, pool, "hot", time.Minute, 1)
 	claimed := 0
+	var claims []keylock.Claim
 	for claimed < keys {
 		cs, err := l.Claim(ctx, 500)
 		if err != nil {
@@ -58,6 +61,7 @@ FROM generate_series(1, $1::int) AS g`, keys)
 			t.Fatalf("claimed %d of %d due keys, then none", claimed, keys)
 		}
 		claimed += len(cs)
+		claims = append(claims, cs...)
 	}
 	all1, hot1 := updates()
 	all, hot := all1-all0, hot1-hot0
@@ -67,5 +71,21 @@ FROM generate_series(1, $1::int) AS g`, keys)
 	}
 	if share := float64(hot) / float64(all); share < 0.9 {
 		t.Errorf("%.0f%% of the claims' updates were HOT, want at least 90%%", 100*share)
+	}
+
+	// Released unpublished, every key keeps its head and loses its lease:
+	// failures is written back unchanged (0), which keeps the release HOT
+	// although deferred_key_failing indexes failures (migration 0010).
+	if err := l.Finalize(ctx, claims, keylock.Outcome{}); err != nil {
+		t.Fatal(err)
+	}
+	all2, hot2 := updates()
+	all, hot = all2-all1, hot2-hot1
+	t.Logf("%d released keys: %d updates of deferred_key, %d HOT", len(claims), all, hot)
+	if all < int64(len(claims)) {
+		t.Fatalf("%d updates of deferred_key for %d released keys: the statistics were not flushed", all, len(claims))
+	}
+	if share := float64(hot) / float64(all); share < 0.9 {
+		t.Errorf("%.0f%% of the releases' updates were HOT, want at least 90%%", 100*share)
 	}
 }
