@@ -315,6 +315,8 @@ func TestConfigFromEnv(t *testing.T) {
 		{"service settings", []string{"BENCH_SERVICE_ENV=DISPATCH_BATCH_KEYS=250  INGEST_BATCH_LINGER=5ms"}, "full", 100_000, ""},
 		{"service setting without a value", []string{"BENCH_SERVICE_ENV=DISPATCH_BATCH_KEYS"}, "", 0, "BENCH_SERVICE_ENV"},
 		{"service setting without a name", []string{"BENCH_SERVICE_ENV==5"}, "", 0, "BENCH_SERVICE_ENV"},
+		{"database locale", []string{"BENCH_DB_LOCALE=en_US.UTF-8"}, "full", 100_000, ""},
+		{"database locale with a quote", []string{"BENCH_DB_LOCALE=en_US'; DROP DATABASE x; --"}, "", 0, "BENCH_DB_LOCALE"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg, err := configFromEnv(tc.environ)
@@ -329,6 +331,9 @@ func TestConfigFromEnv(t *testing.T) {
 			}
 			if cfg.Mode != tc.mode || cfg.N != tc.n {
 				t.Errorf("configFromEnv(%q) = mode %s, N %d; want %s, %d", tc.environ, cfg.Mode, cfg.N, tc.mode, tc.n)
+			}
+			if tc.name == "database locale" && cfg.DBLocale != "en_US.UTF-8" {
+				t.Errorf("DBLocale = %q, want en_US.UTF-8", cfg.DBLocale)
 			}
 			if tc.name == "service settings" {
 				if want := []string{"DISPATCH_BATCH_KEYS=250", "INGEST_BATCH_LINGER=5ms"}; !slices.Equal(cfg.ServiceEnv, want) {

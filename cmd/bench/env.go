@@ -42,6 +42,7 @@ type postgres struct {
 	prefix   string // of every database the bench creates
 	tmpl     string
 	svcTmpl  string // the scheduler binary's own template; "" means tmpl
+	locale   string // of the databases not cloned from the bench's templates; "" is the server's
 
 	mu      sync.Mutex
 	created []string
@@ -51,9 +52,11 @@ type postgres struct {
 // empty (the server binaries must be installed: `make bench` runs
 // scripts/install-postgres.sh first), and creates the migrated template. With
 // explain, a throwaway cluster logs the plan of every statement slower than
-// 200ms (auto_explain, nested statements included), for close to save.
-func startPostgres(ctx context.Context, dbURL string, explain bool, say func(string, ...any)) (_ *postgres, err error) {
-	p := &postgres{adminURL: dbURL, prefix: fmt.Sprintf("bench_%d_", os.Getpid())}
+// 200ms (auto_explain, nested statements included) and every autovacuum
+// run, for close to save. A locale other than "" is every database's
+// (BENCH_DB_LOCALE).
+func startPostgres(ctx context.Context, dbURL, locale string, explain bool, say func(string, ...any)) (_ *postgres, err error) {
+	p := &postgres{adminURL: dbURL, prefix: fmt.Sprintf("bench_%d_", os.Getpid()), locale: locale}
 	defer func() {
 		if err != nil {
 			_ = p.close(context.WithoutCancel(ctx), "") // the error that got us here says more
@@ -80,6 +83,9 @@ func startPostgres(ctx context.Context, dbURL string, explain bool, say func(str
 			"ALTER SYSTEM SET session_preload_libraries = 'auto_explain'",
 			"ALTER SYSTEM SET auto_explain.log_min_duration = '200ms'",
 			"ALTER SYSTEM SET auto_explain.log_nested_statements = on",
+			// Autovacuum's runs too, with their CPU: its work falls into
+			// whichever phase is running, and a longer phase takes more of it.
+			"ALTER SYSTEM SET log_autovacuum_min_duration = 0",
 			"SELECT pg_reload_conf()",
 		} {
 			if _, err := p.admin.Exec(ctx, stmt); err != nil {
@@ -111,13 +117,23 @@ func startPostgres(ctx context.Context, dbURL string, explain bool, say func(str
 	return p, nil
 }
 
-// create creates database name, from template tmpl unless tmpl is "".
+// create creates database name, from template tmpl unless tmpl is "";
+// then in the bench's locale, if it has one (template0 is the only template
+// a database of another locale may copy).
 func (p *postgres) create(ctx context.Context, name, tmpl string) error {
 	stmt := "CREATE DATABASE " + pgx.Identifier{name}.Sanitize()
-	if tmpl != "" {
+	switch {
+	case tmpl != "":
 		stmt += " TEMPLATE " + pgx.Identifier{tmpl}.Sanitize()
+	case p.locale != "":
+		// configFromEnv let only a locale name's characters through.
+		stmt += " TEMPLATE template0 LOCALE '" + p.locale + "'"
 	}
 	if _, err := p.admin.Exec(ctx, stmt); err != nil {
+		if p.locale != "" && tmpl == "" {
+			return fmt.Errorf("create database %s in locale %s (BENCH_DB_LOCALE: the server's machine must have it, e.g. localedef -i en_US -f UTF-8 en_US.UTF-8, and a server started after that): %w",
+				name, p.locale, err)
+		}
 		return fmt.Errorf("create database %s (the bench needs CREATEDB on DATABASE_URL's server): %w", name, err)
 	}
 	p.mu.Lock()
@@ -256,9 +272,10 @@ func (p *postgres) close(ctx context.Context, saveLog string) error {
 // serverInfo describes the server for the report: version and the settings
 // that matter most for write throughput.
 func (p *postgres) serverInfo(ctx context.Context) string {
-	var version, fsync, syncCommit, sharedBuffers string
+	var version, fsync, syncCommit, sharedBuffers, collate string
 	err := p.admin.QueryRow(ctx, `SELECT current_setting('server_version'), current_setting('fsync'),
-		current_setting('synchronous_commit'), current_setting('shared_buffers')`).Scan(&version, &fsync, &syncCommit, &sharedBuffers)
+		current_setting('synchronous_commit'), current_setting('shared_buffers'),
+		(SELECT datcollate FROM pg_database WHERE datname = $1)`, p.tmpl).Scan(&version, &fsync, &syncCommit, &sharedBuffers, &collate)
 	if err != nil {
 		return "unknown (" + err.Error() + ")"
 	}
@@ -266,8 +283,8 @@ func (p *postgres) serverInfo(ctx context.Context) string {
 	if p.cluster != nil {
 		where = "throwaway cluster (internal/pglocal)"
 	}
-	return fmt.Sprintf("PostgreSQL %s, %s, fsync=%s synchronous_commit=%s shared_buffers=%s",
-		version, where, fsync, syncCommit, sharedBuffers)
+	return fmt.Sprintf("PostgreSQL %s, %s, fsync=%s synchronous_commit=%s shared_buffers=%s, databases collate %s",
+		version, where, fsync, syncCommit, sharedBuffers, collate)
 }
 
 // postmasterPID returns the server's postmaster process id when the server

@@ -122,6 +122,11 @@ type config struct {
 	// DatabaseURL is a server to create the bench's databases on; "" starts a
 	// throwaway cluster.
 	DatabaseURL string
+	// DBLocale, when set, is the libc locale every database of the bench is
+	// created in (BENCH_DB_LOCALE, e.g. en_US.UTF-8, the official postgres
+	// image's): its collation is the default of every text column. ""
+	// keeps the server's default (C in the throwaway cluster).
+	DBLocale string
 	// SchedulerBin is a built scheduler binary; "" builds ./cmd/scheduler.
 	// Its databases come from a template its own `migrate` made, so that a
 	// binary of another version can be measured with this bench.
@@ -169,7 +174,7 @@ var modes = map[string]config{
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when
-// neither is set) and reads DATABASE_URL, BENCH_SCHEDULER, BENCH_SERVICE_ENV, BENCH_PROFILE_DIR,
+// neither is set) and reads DATABASE_URL, BENCH_DB_LOCALE, BENCH_SCHEDULER, BENCH_SERVICE_ENV, BENCH_PROFILE_DIR,
 // BENCH_VERBOSE, BENCH_N (overrides the phase size), BENCH_CONSOLE_ROWS
 // (overrides the console scenario's size) and BENCH_ONLY.
 func configFromEnv(environ []string) (config, error) {
@@ -237,6 +242,12 @@ func configFromEnv(environ []string) (config, error) {
 		cfg.ServiceEnv = append(cfg.ServiceEnv, kv)
 	}
 	cfg.DatabaseURL = env["DATABASE_URL"]
+	if v := env["BENCH_DB_LOCALE"]; v != "" {
+		if strings.Trim(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.@-") != "" {
+			return config{}, fmt.Errorf("BENCH_DB_LOCALE=%q: want a locale name such as en_US.UTF-8 (letters, digits and _ . @ -)", v)
+		}
+		cfg.DBLocale = v
+	}
 	cfg.SchedulerBin = env["BENCH_SCHEDULER"]
 	cfg.ProfileDir = env["BENCH_PROFILE_DIR"]
 	cfg.ServiceProfile = 5 * time.Second

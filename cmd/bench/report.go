@@ -111,7 +111,7 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 			return err
 		}
 	}
-	if b.pg, err = startPostgres(ctx, cfg.DatabaseURL, cfg.ProfileDir != "", b.say); err != nil {
+	if b.pg, err = startPostgres(ctx, cfg.DatabaseURL, cfg.DBLocale, cfg.ProfileDir != "", b.say); err != nil {
 		return err
 	}
 	defer func() {
