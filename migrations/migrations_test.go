@@ -9,11 +9,13 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/pgtest"
@@ -28,6 +30,13 @@ var discard = slog.New(slog.DiscardHandler)
 // migrated), drops it after the test, and returns a pool config for it.
 func emptyDB(t *testing.T) *pgxpool.Config {
 	t.Helper()
+	return emptyDBWith(t, "")
+}
+
+// emptyDBWith is emptyDB with options for CREATE DATABASE (a template, a
+// collation).
+func emptyDBWith(t *testing.T, options string) *pgxpool.Config {
+	t.Helper()
 	adminURL := pgtest.AdminURL(t)
 	var b [6]byte
 	rand.Read(b[:])
@@ -38,7 +47,7 @@ func emptyDB(t *testing.T) *pgxpool.Config {
 		t.Fatal(err)
 	}
 	defer admin.Close(context.Background())
-	if _, err := admin.Exec(t.Context(), "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()); err != nil {
+	if _, err := admin.Exec(t.Context(), "CREATE DATABASE "+pgx.Identifier{name}.Sanitize()+" "+options); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
@@ -431,6 +440,20 @@ func TestUpgradeKeepsParkedRowsReleasing(t *testing.T) {
 	}
 }
 
+// applyBefore runs, with exec, the SQL of every migration in all before
+// version, and returns the index of version's.
+func applyBefore(t *testing.T, all []migrations.Migration, version int, exec func(string, ...any)) int {
+	t.Helper()
+	for i, m := range all {
+		if m.Version == version {
+			return i
+		}
+		exec(m.SQL)
+	}
+	t.Fatalf("no migration %04d in %v", version, versions(all))
+	return 0
+}
+
 // Migration 0007 rewrites the reasons of the releases before one list of
 // reason codes: dispatch's "publish_failed: <code>: ..." becomes
 // "<code>: ...", an operator's "parked by operator: ..." becomes
@@ -446,17 +469,7 @@ func TestUpgradeRewritesReasonCodes(t *testing.T) {
 			t.Fatalf("%.60s: %v", sql, err)
 		}
 	}
-	var at7 int
-	for i, m := range all {
-		if m.Version == 7 {
-			at7 = i
-			break
-		}
-		exec(m.SQL)
-	}
-	if at7 == 0 {
-		t.Fatalf("no migration 0007 in %v", versions(all))
-	}
+	at7 := applyBefore(t, all, 7, exec)
 	exec(`INSERT INTO deferred_message (id, business_key, seq, target_topic, next_run_at) VALUES
 		(1, 'a', 1, 't', now()), (2, 'b', 2, 't', now()), (3, 'c', 3, 't', now()), (4, 'd', 4, 't', now())`)
 	exec(`UPDATE deferred_message SET state = 'parked', reason = CASE id
@@ -502,5 +515,109 @@ func TestUpgradeRewritesReasonCodes(t *testing.T) {
 	}
 	if touched != 0 {
 		t.Errorf("0007 changed updated_at of %d messages", touched)
+	}
+}
+
+// Migration 0011 makes business keys compare byte by byte in a database
+// whose default collation is a language's (here ICU's en-US, which every
+// PostgreSQL built with ICU has, whatever locales the OS holds): keys stored
+// before it keep their heads, ORDER BY business_key sorts by bytes after it,
+// and LIKE 'prefix%' on the key can use an index, which it cannot under a
+// language collation.
+func TestUpgradeKeysCompareBytewise(t *testing.T) {
+	all := mustAll(t)
+	cfg := emptyDBWith(t, "TEMPLATE template0 LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C'")
+	cfg.MaxConns = 1 // one connection, whose prepared statements the upgrade meets
+	pool := newPool(t, cfg)
+	ctx := t.Context()
+	exec := func(sql string, args ...any) {
+		t.Helper()
+		if _, err := pool.Exec(ctx, sql, args...); err != nil {
+			t.Fatalf("%.60s: %v", sql, err)
+		}
+	}
+	keyOrder := func() []string {
+		t.Helper()
+		rows, err := pool.Query(ctx, `SELECT business_key FROM deferred_key ORDER BY business_key`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		keys, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return keys
+	}
+	// The plan of a prefix search on the key, seq scans priced out: an
+	// index that serves LIKE bounds its scan by the prefix (an Index Cond
+	// on business_key); one that cannot is read whole.
+	prefixPlan := func() string {
+		t.Helper()
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if _, err := tx.Exec(ctx, "SET LOCAL enable_seqscan = off"); err != nil {
+			t.Fatal(err)
+		}
+		rows, err := tx.Query(ctx, `EXPLAIN SELECT id FROM deferred_message WHERE state = 'pending' AND business_key LIKE 'order-1%'`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(lines, "\n")
+	}
+
+	at11 := applyBefore(t, all, 11, exec)
+	exec(`INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
+		('order-9', 1, 't', now()), ('order-10', 2, 't', now()), ('b', 3, 't', now()),
+		('B', 4, 't', now()), ('order-10', 5, 't', now())`)
+	// The language order, so that the test means something: en-US sorts
+	// lower case before upper and skips punctuation at first.
+	if got, want := keyOrder(), []string{"b", "B", "order-10", "order-9"}; !slices.Equal(got, want) {
+		t.Fatalf("keys before 0011 = %q, want the language order %q", got, want)
+	}
+	const bounded = "Index Cond: ((business_key >= 'order-1'::text) AND (business_key < 'order-2'::text))"
+	if plan := prefixPlan(); strings.Contains(plan, "business_key >=") {
+		t.Fatalf("prefix search before 0011 bounded by an index:\n%s", plan)
+	}
+	for _, m := range all[at11:] {
+		exec(m.SQL)
+	}
+
+	// A statement a connection prepared before the migration and whose
+	// result holds business_key fails once (the column's collation is part
+	// of the result's type), and pgx prepares it again on the next call: a
+	// replica running through the upgrade sees one failed claim per
+	// connection and goes on (README, "Upgrading").
+	rows, err := pool.Query(ctx, `SELECT business_key FROM deferred_key ORDER BY business_key`)
+	if err == nil {
+		rows.Close()
+		err = rows.Err()
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "0A000" {
+		t.Errorf("first run of a statement prepared before 0011: %v, want SQLSTATE 0A000 (cached plan must not change result type)", err)
+	}
+	if got, want := keyOrder(), []string{"B", "b", "order-10", "order-9"}; !slices.Equal(got, want) {
+		t.Errorf("keys after 0011 = %q, want byte order %q", got, want)
+	}
+	if plan := prefixPlan(); !strings.Contains(plan, bounded) || !strings.Contains(plan, "deferred_message_key_order") {
+		t.Errorf("prefix search after 0011 not bounded by deferred_message_key_order (want %q):\n%s", bounded, plan)
+	}
+	// The heads were rebuilt with the indexes, not lost: order-10's head is
+	// still its first message, and a new message of a key stored before
+	// finds that key's row.
+	exec(`INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES ('B', 6, 't', now())`)
+	var heads string
+	if err := pool.QueryRow(ctx, `SELECT string_agg(business_key || '=' || head_seq, ' ' ORDER BY business_key) FROM deferred_key`).Scan(&heads); err != nil {
+		t.Fatal(err)
+	}
+	if want := "B=4 b=3 order-10=2 order-9=1"; heads != want {
+		t.Errorf("heads after 0011 = %q, want %q", heads, want)
 	}
 }
