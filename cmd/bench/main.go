@@ -44,7 +44,9 @@
 // ten million; in no other run).
 // It uses DATABASE_URL's server when set (creating and dropping
 // databases of its own there), else a throwaway cluster from
-// internal/pglocal. See docs/benchmarks.md.
+// internal/pglocal; BENCH_DB_LOCALE=en_US.UTF-8 creates those databases in
+// that locale, whose collation is every text column's default. See
+// docs/benchmarks.md.
 package main
 
 import (
