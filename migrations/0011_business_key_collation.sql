@@ -10,11 +10,12 @@
 -- is strcoll for every comparison: inserting 100,000 messages with their
 -- key heads took 2.6-2.9 s there against 1.4-1.6 s with this column
 -- collation (docs/benchmarks.md, "Business keys in the C collation").
--- Under the "C" or an ICU default nothing changes but the order.
+-- Under a "C" default nothing changes; under C.UTF-8 or an ICU default,
+-- little but the order.
 --
 -- What operators see: ORDER BY business_key sorts by bytes (upper case
--- before lower case, 'order-10' before 'order-9'), as the dispatcher's Go
--- code always did; and LIKE 'prefix%' on business_key can use the key
+-- before lower case, 'order-10' before 'order-9'), the way Go compares
+-- strings; and LIKE 'prefix%' on business_key can use the key
 -- indexes, which it could not under a language collation.
 --
 -- Same type, another collation: the tables are not rewritten, but every
