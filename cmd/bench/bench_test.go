@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -365,4 +367,55 @@ func runSmoke(t *testing.T, only string) (config, string, map[string]float64) {
 		t.Fatalf("RESULT line %q: %v\nreport:\n%s", lines[len(lines)-1], err, report)
 	}
 	return cfg, report, vals
+}
+
+// BENCH_DB_LOCALE: the bench's databases, the template and its clones, are
+// in that locale, and the report's database line names it; a locale the
+// server lacks stops the run with an error that names the variable. The
+// locale asked for is whichever of C and C.UTF-8 (every Debian machine has
+// both) the server's default is not, so that a bench ignoring the setting
+// fails.
+func TestDatabaseLocale(t *testing.T) {
+	ctx := t.Context()
+	admin, err := pgx.Connect(ctx, pgtest.AdminURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var serverDefault string
+	err = admin.QueryRow(ctx, `SELECT datcollate FROM pg_database WHERE datname = 'template1'`).Scan(&serverDefault)
+	admin.Close(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	locale := "C.UTF-8"
+	if serverDefault == locale {
+		locale = "C"
+	}
+
+	say := func(string, ...any) {}
+	p, err := startPostgres(ctx, pgtest.AdminURL(t), locale, false, say)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.close(context.Background(), "") })
+	db, err := p.fresh(ctx, "locale")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.drop(context.Background(), db) })
+	var collate string
+	if err := db.pool.QueryRow(ctx, `SELECT datcollate FROM pg_database WHERE datname = current_database()`).Scan(&collate); err != nil {
+		t.Fatal(err)
+	}
+	if collate != locale {
+		t.Errorf("a clone of the bench's template collates %q, want %q (the server's default is %q)", collate, locale, serverDefault)
+	}
+	if info := p.serverInfo(ctx); !strings.HasSuffix(info, "databases collate "+locale) {
+		t.Errorf("serverInfo = %q, want it to name the databases' collation %s", info, locale)
+	}
+
+	_, err = startPostgres(ctx, pgtest.AdminURL(t), "xx_NOWHERE.UTF-8", false, say)
+	if err == nil || !strings.Contains(err.Error(), "BENCH_DB_LOCALE") {
+		t.Errorf("startPostgres in a locale the server lacks: %v, want an error naming BENCH_DB_LOCALE", err)
+	}
 }
