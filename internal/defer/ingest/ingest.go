@@ -86,12 +86,13 @@ func ConsumerConfig(base *sarama.Config, budget *Budget) *sarama.Config {
 // response, and with it the whole response's buffer and decoded records,
 // none of them counted by the Budget yet. Ingest's claims all wait for the
 // same writers, so with many partitions many gave up at once: on 64
-// partitions the live heap reached 110-140 MB against a 32 MiB budget, near
+// partitions the live heap reached 110-147 MB against a 32 MiB budget, near
 // the soft memory limit, and the collector took most of the service's CPU
 // (make bench, BENCH_ONLY=partitions, 300,000 records: the service's CPU in
 // ingest 6-9 s against 3 on 4 partitions). A claim waits for writers far
 // less than this, and waits they all share, so holding the other partitions
-// back costs nothing; the live heap then stays near the budget.
+// back costs nothing; the live heap then stayed at 43-64 MB
+// (docs/design.md section 8).
 const consumerMaxProcessingTime = 5 * time.Second
 
 // IngestConfig tunes an Ingester.
