@@ -282,19 +282,28 @@ type progress struct {
 
 // track polls count every 10ms until it reaches target, and records the
 // last sample below mark (<= target). It gives up after timeout, saying how
-// far it got.
+// far it got, or after maxCountFailures failed counts in a row: one failed
+// offset request (sarama then drops the broker connection) is polled past.
 func track(ctx context.Context, what string, count func() (int64, error), mark, target int64, timeout time.Duration) (progress, error) {
+	const maxCountFailures = 20
 	var pr progress
 	deadline := time.Now().Add(timeout)
-	for first := true; ; first = false {
+	failures, sampled := 0, false
+	for {
 		n, err := count()
 		if err != nil {
-			return pr, fmt.Errorf("%s: %w", what, err)
+			if failures++; failures == maxCountFailures || ctx.Err() != nil || time.Now().After(deadline) {
+				return pr, fmt.Errorf("%s, %d counts in a row failed: %w", what, failures, err)
+			}
+			time.Sleep(10 * time.Millisecond)
+			continue
 		}
+		failures = 0
 		now := time.Now()
-		if first || n < mark {
+		if !sampled || n < mark {
 			pr.fromAt, pr.fromN = now, n
 		}
+		sampled = true
 		if n >= target {
 			pr.doneAt = now
 			return pr, nil
@@ -367,16 +376,9 @@ func readBack(ctx context.Context, addr, topic string) ([]delivery, error) {
 
 // readPartition reads every record of partition p of topic, for readBack.
 func readPartition(ctx context.Context, client sarama.Client, consumer sarama.Consumer, topic string, p int32) ([]delivery, error) {
-	hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
-	if err != nil {
-		return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
-	}
-	if hwm == 0 {
-		return nil, nil
-	}
-	pc, err := consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
-	if err != nil {
-		return nil, fmt.Errorf("read back %s/%d: %w", topic, p, err)
+	hwm, pc, err := openPartition(ctx, client, consumer, topic, p)
+	if err != nil || pc == nil {
+		return nil, err
 	}
 	defer pc.Close()
 	var out []delivery
@@ -397,6 +399,38 @@ func readPartition(ctx context.Context, client sarama.Client, consumer sarama.Co
 			return nil, ctx.Err()
 		case <-time.After(30 * time.Second):
 			return nil, fmt.Errorf("read back %s/%d: nothing for 30s", topic, p)
+		}
+	}
+}
+
+// openPartition returns partition p's high-water mark and, unless it is
+// empty, a consumer of it from its oldest record. The partitions' readers
+// share one client, and sarama closes a broker connection on any failed
+// offset request, failing every request the other readers have in flight
+// on it with ErrNotConnected; the next attempt reopens it. So a failure
+// here is retried a few times before the read back gives up (a CI run once
+// failed on it under load).
+func openPartition(ctx context.Context, client sarama.Client, consumer sarama.Consumer, topic string, p int32) (int64, sarama.PartitionConsumer, error) {
+	const attempts = 5
+	for attempt := 1; ; attempt++ {
+		hwm, err := client.GetOffset(topic, p, sarama.OffsetNewest)
+		if err == nil && hwm == 0 {
+			return 0, nil, nil
+		}
+		var pc sarama.PartitionConsumer
+		if err == nil {
+			pc, err = consumer.ConsumePartition(topic, p, sarama.OffsetOldest)
+		}
+		if err == nil {
+			return hwm, pc, nil
+		}
+		if attempt == attempts {
+			return 0, nil, fmt.Errorf("read back %s/%d, %d attempts: %w", topic, p, attempts, err)
+		}
+		select {
+		case <-ctx.Done():
+			return 0, nil, ctx.Err()
+		case <-time.After(time.Duration(attempt) * 200 * time.Millisecond):
 		}
 	}
 }
