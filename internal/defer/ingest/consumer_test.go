@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
-	"github.com/twmb/franz-go/pkg/kfake"
 )
 
 // stallHandler consumes every claim but partition 0's, which reads nothing
@@ -58,21 +57,11 @@ func TestStalledClaimHoldsBackFetching(t *testing.T) {
 		parts   = 16
 		perPart = 4000
 	)
-	c, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(parts, topic))
-	if err != nil {
-		t.Fatalf("start kfake: %v", err)
+	k := newKafka(t)
+	if err := k.admin.CreateTopic(topic, &sarama.TopicDetail{NumPartitions: parts, ReplicationFactor: 1}, false); err != nil {
+		t.Fatalf("create topic %s: %v", topic, err)
 	}
-	t.Cleanup(c.Close)
-	addrs := c.ListenAddrs()
-
-	pc := saramaConfig()
-	pc.Producer.Return.Successes = true
-	pc.Producer.Partitioner = sarama.NewManualPartitioner
-	prod, err := sarama.NewSyncProducer(addrs, pc)
-	if err != nil {
-		t.Fatalf("producer: %v", err)
-	}
-	defer prod.Close()
+	addrs, prod := k.addrs, k.producer
 	value := bytes.Repeat([]byte("v"), 200)
 	produce := func(p int32) {
 		t.Helper()
