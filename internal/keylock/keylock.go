@@ -385,8 +385,14 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	if len(keys) > 0 {
 		queries.QueueDispatchReleaseEmpty(b, queries.DispatchReleaseEmptyParams{Keys: keys, Owner: l.cfg.Owner})
 	}
-	queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Heads: heads, Owner: l.cfg.Owner,
-		RetryKeys: retryKeys, RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
+	if len(keys) > 0 {
+		queries.QueueDispatchRelease(b, queries.DispatchReleaseParams{Keys: keys, Owner: l.cfg.Owner,
+			RetryKeys: retryKeys, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
+	}
+	if len(heads) > 0 {
+		queries.QueueDispatchReleaseUnordered(b, queries.DispatchReleaseUnorderedParams{Heads: heads, Owner: l.cfg.Owner,
+			RetryHeads: retryHeads, BackoffBase: l.cfg.BackoffBase, BackoffMax: l.cfg.BackoffMax})
+	}
 	if err := l.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("finalize %d keys (%d published, %d parked): %w",
 			len(claims), len(out.Published), len(parkIDs), err)

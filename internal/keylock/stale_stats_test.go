@@ -285,7 +285,7 @@ func finalizeUnordered(ctx context.Context, tx pgx.Tx, ids []int64) error {
 	if err := queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: ids}); err != nil {
 		return fmt.Errorf("delete: %w", err)
 	}
-	if err := queries.DispatchRelease(ctx, tx, queries.DispatchReleaseParams{Heads: ids, Owner: "stale-stats",
+	if err := queries.DispatchReleaseUnordered(ctx, tx, queries.DispatchReleaseUnorderedParams{Heads: ids, Owner: "stale-stats",
 		BackoffBase: time.Second, BackoffMax: time.Minute}); err != nil {
 		return fmt.Errorf("release: %w", err)
 	}
@@ -385,5 +385,52 @@ func TestAnalyzeIfStaleSkipsALockedTable(t *testing.T) {
 	}
 	if got, err = keylock.AnalyzeIfStale(ctx, db.Pool, 1000); err != nil || !slices.Equal(got, []string{"deferred_key"}) {
 		t.Fatalf("after the lock went: analyzed %v (%v), want [deferred_key]", got, err)
+	}
+}
+
+// TestRoundReadsOnlyItsHeads: a whole round (a claim of 500 heads among
+// 20,000 keys, and its finalize), with fresh statistics, reads its heads and
+// their messages, not the tables. Two plans read every head below about
+// 65,000 keys, which the smaller batch of
+// TestStaleStatisticsKeepWorkProportionalToBatch does not show: the claim
+// leasing its heads through a join on ctid (a hash join over a sequential
+// scan; dispatch_claim.sql now leases them by a TID scan), and the release
+// naming keys and unordered heads in one WHERE (a sequential scan;
+// dispatch_release.sql and dispatch_release_unordered.sql are apart).
+func TestRoundReadsOnlyItsHeads(t *testing.T) {
+	const (
+		keys       = 20_000
+		batch      = 500
+		perMessage = 8
+	)
+	for _, s := range []step{
+		{"own keys (head gone)", 1, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			return finalize(ctx, tx, ids, keys, nil)
+		}},
+		{"two per key (head moves, key released)", 2, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			return finalize(ctx, tx, ids, keys, nil)
+		}},
+	} {
+		t.Run(s.name, func(t *testing.T) {
+			t.Parallel()
+			db := pgtest.NewDB(t)
+			staleState(t, db.Pool, keys*s.perKey, s.perKey)
+			if _, err := keylock.AnalyzeIfStale(t.Context(), db.Pool, 1000); err != nil {
+				t.Fatal(err)
+			}
+			claimRead, stepRead := runStep(t, db.Pool, s, batch, true)
+			for table, n := range claimRead {
+				if n > perMessage*batch {
+					t.Errorf("claim read %d rows of %s for %d heads among %d keys (limit %d): a plan walks the table",
+						n, table, batch, keys, perMessage*batch)
+				}
+			}
+			for table, n := range stepRead {
+				if n > perMessage*batch {
+					t.Errorf("finalize read %d rows of %s for %d messages among %d keys (limit %d): a plan walks the table",
+						n, table, batch, keys, perMessage*batch)
+				}
+			}
+		})
 	}
 }

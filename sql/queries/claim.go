@@ -196,16 +196,14 @@ func DispatchPark(ctx context.Context, db DBTX, p DispatchParkParams) error {
 // DispatchReleaseParams are dispatch_release.sql's parameters.
 type DispatchReleaseParams struct {
 	Keys        []string      // $1: business keys to release
-	Heads       []int64       // $2: unordered heads to release
-	Owner       string        // $3: only leases this owner holds
-	RetryKeys   []string      // $4: keys that back off instead
-	RetryHeads  []int64       // $5: unordered heads that back off
-	BackoffBase time.Duration // $6
-	BackoffMax  time.Duration // $7
+	Owner       string        // $2: only leases this owner holds
+	RetryKeys   []string      // $3: keys that back off instead
+	BackoffBase time.Duration // $4
+	BackoffMax  time.Duration // $5
 }
 
 func (p DispatchReleaseParams) args() []any {
-	return []any{p.Keys, p.Heads, p.Owner, p.RetryKeys, p.RetryHeads, p.BackoffBase, p.BackoffMax}
+	return []any{p.Keys, p.Owner, p.RetryKeys, p.BackoffBase, p.BackoffMax}
 }
 
 // QueueDispatchRelease adds dispatch_release.sql to b.
@@ -216,6 +214,31 @@ func QueueDispatchRelease(b *pgx.Batch, p DispatchReleaseParams) {
 // DispatchRelease runs dispatch_release.sql.
 func DispatchRelease(ctx context.Context, db DBTX, p DispatchReleaseParams) error {
 	_, err := db.Exec(ctx, dispatchReleaseSQL, p.args()...)
+	return err
+}
+
+// DispatchReleaseUnorderedParams are dispatch_release_unordered.sql's
+// parameters.
+type DispatchReleaseUnorderedParams struct {
+	Heads       []int64       // $1: unordered heads to release
+	Owner       string        // $2: only leases this owner holds
+	RetryHeads  []int64       // $3: heads that back off instead
+	BackoffBase time.Duration // $4
+	BackoffMax  time.Duration // $5
+}
+
+func (p DispatchReleaseUnorderedParams) args() []any {
+	return []any{p.Heads, p.Owner, p.RetryHeads, p.BackoffBase, p.BackoffMax}
+}
+
+// QueueDispatchReleaseUnordered adds dispatch_release_unordered.sql to b.
+func QueueDispatchReleaseUnordered(b *pgx.Batch, p DispatchReleaseUnorderedParams) {
+	b.Queue(dispatchReleaseUnorderedSQL, p.args()...)
+}
+
+// DispatchReleaseUnordered runs dispatch_release_unordered.sql.
+func DispatchReleaseUnordered(ctx context.Context, db DBTX, p DispatchReleaseUnorderedParams) error {
+	_, err := db.Exec(ctx, dispatchReleaseUnorderedSQL, p.args()...)
 	return err
 }
 

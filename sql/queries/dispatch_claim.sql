@@ -98,10 +98,16 @@ WITH candidate AS MATERIALIZED (
     ORDER BY turn, next_run_at
     LIMIT $1
 ), claimed AS (
+    -- The heads by their ctids, which a TID scan reads directly, whatever
+    -- the size of deferred_key. Written as a join (FROM due WHERE k.ctid =
+    -- due.ctid), it was planned as a hash join over a sequential scan of
+    -- every head, up to about 65,000 keys: a third of a claim's time at
+    -- 20,000 (docs/benchmarks.md, "Three plans fixed"). A version
+    -- newer than this statement's snapshot is not visible to the TID scan
+    -- either, so a head that changed since is skipped, as by the join.
     UPDATE deferred_key k
     SET leased_until = now() + $2::interval, leased_by = $4::text
-    FROM due
-    WHERE k.ctid = due.ctid
+    WHERE k.ctid = ANY (ARRAY(SELECT ctid FROM due))
     RETURNING k.business_key, k.head_id, k.head_seq
 ), run AS (
     SELECT c.business_key, c.head_id, m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count,
@@ -124,9 +130,9 @@ WITH candidate AS MATERIALIZED (
               -- so that a parked message holding the key ends the run.
               AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
               -- Never hand out anything before the head the claim leased. The
-              -- ctid join above already skips a head that changed after this
+              -- ctid match above already skips a head that changed after this
               -- statement's snapshot; this keeps the read right even if that
-              -- join changes.
+              -- match changes.
               AND (m.seq, m.id) >= (c.head_seq, c.head_id)
             WINDOW w AS (ORDER BY m.seq, m.id)
             ORDER BY m.seq, m.id
