@@ -341,7 +341,7 @@ func (r consoleResult) summarize(s *summary) {
 func (r consoleResult) write(w io.Writer, requests int) {
 	fmt.Fprintf(w, "\nCONSOLE PAGES: internal/console in this process on %s messages (%s pending, %s parked, %s rejected; %s keys;\n",
 		group(float64(r.messages)), group(float64(r.messages-r.parked-r.rejected)), group(float64(r.parked)), group(float64(r.rejected)), group(float64(r.keys)))
-	fmt.Fprintf(w, "%s history rows), a viewer logged in; each page requested %d times one after the other after one untimed request,\n",
+	fmt.Fprintf(w, "%s history events), a viewer logged in; each page requested %d times one after the other after one untimed request,\n",
 		group(float64(r.hist)), requests)
 	fmt.Fprintln(w, "timed client side over loopback HTTP (queries, rendering, transfer); the overview recounted on every request")
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)

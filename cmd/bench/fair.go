@@ -349,10 +349,22 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 }
 
 // storedAt returns when ingest stored each message of target, by defer.id:
-// the recorded_at of its 'deferred' history row, which is its insert's
-// transaction start (now()), so a little before the row was visible.
+// the recorded_at of its 'deferred' history event, which is its insert's
+// transaction start (now()), so a little before the row was visible. The
+// view deferred_history has that event whether it is a row of its own or
+// folded into the 'published' row (migration 0012); a scheduler binary
+// from before that migration (BENCH_SCHEDULER) has no view, and a row
+// for every deferral.
 func storedAt(ctx context.Context, db *database, target string) (map[string]time.Time, error) {
-	rows, err := db.pool.Query(ctx, `SELECT message_id::text, recorded_at FROM deferred_attempt
+	var view bool
+	if err := db.pool.QueryRow(ctx, "SELECT to_regclass('deferred_history') IS NOT NULL").Scan(&view); err != nil {
+		return nil, fmt.Errorf("read when %s's messages were stored: %w", target, err)
+	}
+	history := "deferred_attempt"
+	if view {
+		history = "deferred_history"
+	}
+	rows, err := db.pool.Query(ctx, `SELECT message_id::text, recorded_at FROM `+history+`
 		WHERE event = 'deferred' AND target_topic = $1`, target)
 	if err != nil {
 		return nil, fmt.Errorf("read when %s's messages were stored: %w", target, err)

@@ -279,8 +279,8 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 		return nil, fmt.Errorf("count rows left: %w", err)
 	}
 	// Where undelivered messages stopped: still in the defer topic, or
-	// stored (the history keeps a 'deferred' event per stored row, with
-	// the attempt: re-deferrals have attempt >= 1).
+	// stored (the view deferred_history has a 'deferred' event per stored
+	// row, with the attempt: re-deferrals have attempt >= 1).
 	end, err := cons.endOffsets(deferTopic)
 	if err != nil {
 		return nil, err
@@ -292,7 +292,7 @@ func run(ctx context.Context, cfg config, log io.Writer) (res *result, err error
 	}
 	res.IngestLag = int(end - ingested)
 	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE attempt = 0), count(*) FILTER (WHERE attempt > 0)
-		FROM deferred_attempt WHERE event = 'deferred'`).Scan(&res.StoredFirst, &res.StoredRedefers); err != nil {
+		FROM deferred_history WHERE event = 'deferred'`).Scan(&res.StoredFirst, &res.StoredRedefers); err != nil {
 		return nil, fmt.Errorf("count stored rows: %w", err)
 	}
 	check(msgs, ds, res)

@@ -281,10 +281,11 @@ func TestKeyOrderRetriedRecordFailsAgain(t *testing.T) {
 	if st.Deferred != 3 || st.Gated < 2 {
 		t.Errorf("stats %+v, want charge deferred 3 times and refund gated behind it each time", st)
 	}
-	// History tells the failures from the gated deferrals.
+	// History tells the failures from the gated deferrals (the view has
+	// the deferrals folded into their deliveries too).
 	var deferred, gated int
 	if err := s.db.Pool.QueryRow(t.Context(), `SELECT count(*) FILTER (WHERE event = 'deferred'),
-		count(*) FILTER (WHERE event = 'gated') FROM deferred_attempt`).Scan(&deferred, &gated); err != nil {
+		count(*) FILTER (WHERE event = 'gated') FROM deferred_history`).Scan(&deferred, &gated); err != nil {
 		t.Fatal(err)
 	}
 	if deferred != 3 || gated != int(st.Gated) {

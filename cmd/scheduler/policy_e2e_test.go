@@ -220,14 +220,13 @@ func TestPolicyWalksLadderToParkingLotAndBack(t *testing.T) {
 	}
 
 	// The lineage's story is in SQL: three deferrals, each ended by its
-	// delivery (published, with the attempt the record carried), and the
-	// park.
+	// delivery (published, with the attempt the record carried; the
+	// deferral folded into the delivery's row), and the park.
 	var story string
 	if err := db.Pool.QueryRow(ctx, `
-		SELECT string_agg(a.event || '@' || a.attempt || ':' || coalesce(a.error_class, '-'), ',' ORDER BY a.id)
-		FROM deferred_attempt a
-		WHERE a.lineage_id = (SELECT lineage_id FROM deferred_attempt
-		                      WHERE message_id = (SELECT id FROM deferred_message WHERE value = 'm1'))`).Scan(&story); err != nil {
+		SELECT string_agg(h.event || '@' || h.attempt || ':' || coalesce(h.error_class, '-'), ','
+		                  ORDER BY h.id NULLS LAST, h.event <> 'deferred')
+		FROM deferred_lineage_history(deferred_lineage((SELECT id FROM deferred_message WHERE value = 'm1'))) h`).Scan(&story); err != nil {
 		t.Fatal(err)
 	}
 	const cls = "java.net.SocketTimeoutException"

@@ -48,9 +48,12 @@ func TestPruneHistory(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			e := dispatchtest.New(t)
+			// Stored parked, each message has its history row at once (one
+			// stored pending has none until something else happens to it).
 			var rows []fixture.Message
 			for _, v := range []string{"o1", "o2", "o3", "o4", "o5", "new1", "new2"} {
-				rows = append(rows, fixture.Message{Key: fixture.Key(v), Target: dispatchtest.TopicA, Value: []byte(v)})
+				rows = append(rows, fixture.Message{Key: fixture.Key(v), Target: dispatchtest.TopicA, Value: []byte(v),
+					State: "parked", Reason: "operator: kept for the test"})
 			}
 			e.Insert(rows...)
 			dispatchtest.MustEqual(t, "history rows", historyRows(e), 7)
@@ -79,8 +82,11 @@ func TestMaintenancePrunesHistory(t *testing.T) {
 	for _, retention := range []time.Duration{0, time.Hour} {
 		t.Run(retention.String(), func(t *testing.T) {
 			e := dispatchtest.New(t)
-			e.Insert(fixture.Message{Key: fixture.Key("old"), Target: "orders.elsewhere", Value: []byte("old"), In: time.Hour},
-				fixture.Message{Key: fixture.Key("new"), Target: "orders.elsewhere", Value: []byte("new"), In: time.Hour})
+			// Stored parked: each has its history row at once.
+			e.Insert(fixture.Message{Key: fixture.Key("old"), Target: "orders.elsewhere", Value: []byte("old"), In: time.Hour,
+				State: "parked", Reason: "operator: kept for the test"},
+				fixture.Message{Key: fixture.Key("new"), Target: "orders.elsewhere", Value: []byte("new"), In: time.Hour,
+					State: "parked", Reason: "operator: kept for the test"})
 			ageHistory(e, 2*time.Hour, "old")
 			ctx := context.Background()
 			rt, err := New(e.Pool, e.Producer, nil, Config{

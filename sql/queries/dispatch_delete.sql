@@ -7,7 +7,14 @@
 -- stays parked), and for each:
 --   - a 'published' event in deferred_attempt, in its lineage, with the
 --     attempt the record carries (the stored one plus one) and where it
---     went, so that a message's story ends with its delivery;
+--     went, so that a message's story ends with its delivery. A message
+--     with no history yet (stored pending and left alone since, nearly
+--     all: migration 0012) has its deferral folded into that one row:
+--     deferred_at (its created_at) and the error it was deferred for
+--     (error_class, error_message), which the view deferred_history shows
+--     as its 'deferred' event. Its lineage is then its origin's, as the
+--     insert trigger names it (one probe of the origin's history, for
+--     re-deferrals only);
 --   - if it names a consumer group and a business key (defer.group), its
 --     key in deferred_inflight for that group and target partition, the
 --     key's last record there winning: the key stays blocked for the
@@ -20,21 +27,31 @@
 WITH gone AS (
     DELETE FROM deferred_message m
     WHERE m.id = ANY ($1::bigint[]) AND m.state = 'pending'
-    RETURNING m.id, m.business_key, m.seq, m.group_id, m.target_topic, m.attempt, m.next_run_at
+    RETURNING m.id, m.business_key, m.seq, m.group_id, m.target_topic, m.attempt, m.next_run_at,
+              m.origin_id, m.created_at, m.error_class, m.error_message
 ), placed AS (
     SELECT g.id, g.business_key, g.seq, g.group_id, g.target_topic, g.attempt, g.next_run_at,
+           g.origin_id, g.created_at, g.error_class, g.error_message,
            p.partition, p.record_offset
     FROM gone g
     LEFT JOIN unnest($1::bigint[], $2::int[], $3::bigint[]) AS p (id, partition, record_offset) ON p.id = g.id
 ), history AS (
     INSERT INTO deferred_attempt (lineage_id, message_id, event, attempt, target_topic, next_run_at,
-                                  partition, record_offset)
+                                  partition, record_offset, deferred_at, error_class, error_message)
     -- One probe of deferred_attempt_message per message: its first event
-    -- names its lineage (a message whose history was pruned is its own).
-    SELECT coalesce((SELECT a.lineage_id FROM deferred_attempt a
-                     WHERE a.message_id = p.id ORDER BY a.message_id, a.id LIMIT 1), p.id),
-           p.id, 'published', p.attempt + 1, p.target_topic, p.next_run_at, p.partition, p.record_offset
+    -- names its lineage; a message without one folds its deferral in.
+    SELECT coalesce(f.lineage_id,
+                    CASE WHEN p.origin_id IS NOT NULL THEN
+                        (SELECT a.lineage_id FROM deferred_attempt a
+                         WHERE a.message_id = p.origin_id ORDER BY a.message_id, a.id LIMIT 1)
+                    END, p.origin_id, p.id),
+           p.id, 'published', p.attempt + 1, p.target_topic, p.next_run_at, p.partition, p.record_offset,
+           CASE WHEN f.lineage_id IS NULL THEN p.created_at END,
+           CASE WHEN f.lineage_id IS NULL THEN p.error_class END,
+           CASE WHEN f.lineage_id IS NULL THEN p.error_message END
     FROM placed p
+    LEFT JOIN LATERAL (SELECT a.lineage_id FROM deferred_attempt a
+                       WHERE a.message_id = p.id ORDER BY a.message_id, a.id LIMIT 1) f ON true
     ORDER BY p.id
 ), flight AS (
     INSERT INTO deferred_inflight AS i (group_id, business_key, target_topic, partition, record_offset, message_id, seq)

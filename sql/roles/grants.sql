@@ -21,7 +21,9 @@
 --     time, run as the owner too, with their search_path pinned the same
 --     way;
 --   - the service and the operator may call deferred_key_state, the
---     key-state query, and read deferred_inflight, which it reads;
+--     key-state query, and read deferred_inflight, which it reads, and
+--     call deferred_lineage and deferred_lineage_history, which read the
+--     history;
 --   - objects the owner had before roles.sql set its default privileges (a
 --     database migrated before the roles existed, then handed to the owner)
 --     get the same grants as new ones.
@@ -94,6 +96,13 @@ GRANT DELETE ON :"schema".deferred_inflight TO :"operator";
 -- that, or the objects predate roles.sql.
 GRANT EXECUTE ON FUNCTION :"schema".deferred_key_state(text, text[]) TO :"service", :"operator";
 GRANT SELECT ON :"schema".deferred_inflight TO :"service", :"operator";
+-- The history as operators read it (history.sql, show_message.sql,
+-- `scheduler show`, the console): deferred_lineage and
+-- deferred_lineage_history run as their caller too, and read
+-- deferred_attempt and deferred_message; the view deferred_history is
+-- granted with the tables above.
+GRANT EXECUTE ON FUNCTION :"schema".deferred_lineage(bigint), :"schema".deferred_lineage_history(bigint)
+    TO :"service", :"operator";
 
 -- Only `scheduler migrate` writes the migration bookkeeping.
 REVOKE INSERT, UPDATE, DELETE ON :"schema".scheduler_migration, :"schema".river_migration FROM :"service";

@@ -1,7 +1,10 @@
 -- history.sql: everything that happened to a message's lineage.
 --
--- What: the deferred_attempt rows of the lineage of message :id, oldest
--- first: when, which message (a lineage is a message and every re-deferral of
+-- What: the events of the lineage of message :id, oldest first, as the
+-- view deferred_history has them (deferred_attempt's rows, and the
+-- deferrals that are not rows of their own: folded into a 'published' row,
+-- or of a message still pending that nothing happened to; read by index
+-- through deferred_lineage_history): when, which message (a lineage is a message and every re-deferral of
 -- it, each a row of its own), what happened (deferred, or gated: stored
 -- pending; parked or rejected: stored or moved there; replayed: moved back to
 -- pending; expedited: made due earlier; published: delivered, at partition
@@ -17,19 +20,18 @@
 -- times it was retried and replayed, without reading logs.
 -- Call:
 --   psql "$DATABASE_URL" -v id=1234 -f sql/runbook/history.sql
-SELECT a.lineage_id,
-       a.message_id,
-       a.recorded_at,
-       a.event,
-       a.attempt,
-       a.reason,
-       a.error_class,
-       a.error_message,
-       a.target_topic,
-       a.next_run_at,
-       a.partition,
-       a.record_offset,
-       a.actor
-FROM deferred_attempt a
-WHERE a.lineage_id = (SELECT lineage_id FROM deferred_attempt WHERE message_id = :id ORDER BY id LIMIT 1)
-ORDER BY a.id;
+SELECT h.lineage_id,
+       h.message_id,
+       h.recorded_at,
+       h.event,
+       h.attempt,
+       h.reason,
+       h.error_class,
+       h.error_message,
+       h.target_topic,
+       h.next_run_at,
+       h.partition,
+       h.record_offset,
+       h.actor
+FROM deferred_lineage_history(deferred_lineage(:id)) h
+ORDER BY h.id NULLS LAST, h.event <> 'deferred';

@@ -12,11 +12,8 @@
 --   2. Its headers in order, decoded the same way, from the view
 --      deferred_message_header.
 --   3. Its lineage: the message it re-defers (origin_id) if that row still
---      exists, and the rows that re-defer it. origin_id is not indexed (an
---      index would cost every ingested row): the re-deferrals are found
---      through the history, which records each row under the lineage of the
---      row it re-defers (deferred_attempt_lineage), so this reads a few
---      index entries, not the table.
+--      exists, and the rows that re-defer it (deferred_message_origin, a
+--      partial index of the rows that have an origin).
 --   4. Its lineage's history, as history.sql prints it: every time one of
 --      its messages was deferred, parked, rejected, replayed, expedited,
 --      published or cancelled, and who acted.
@@ -97,29 +94,21 @@ FROM (SELECT 'origin' AS relation, l.*
       UNION ALL
       SELECT 're-deferral', l.*
       FROM deferred_message l
-      WHERE l.origin_id = :id
-        AND l.id IN (SELECT a.message_id
-                     FROM deferred_attempt a
-                     -- A re-deferral joins its origin's lineage; when the
-                     -- origin's history was already pruned, the lineage
-                     -- is named after the origin itself.
-                     WHERE a.lineage_id IN (:id, (SELECT f.lineage_id FROM deferred_attempt f
-                                                  WHERE f.message_id = :id ORDER BY f.message_id, f.id LIMIT 1)))) l
+      WHERE l.origin_id = :id) l
 ORDER BY l.id;
 
-SELECT a.lineage_id,
-       a.message_id,
-       a.recorded_at,
-       a.event,
-       a.attempt,
-       a.reason,
-       a.error_class,
-       a.error_message,
-       a.target_topic,
-       a.next_run_at,
-       a.partition,
-       a.record_offset,
-       a.actor
-FROM deferred_attempt a
-WHERE a.lineage_id = (SELECT lineage_id FROM deferred_attempt WHERE message_id = :id ORDER BY id LIMIT 1)
-ORDER BY a.id;
+SELECT h.lineage_id,
+       h.message_id,
+       h.recorded_at,
+       h.event,
+       h.attempt,
+       h.reason,
+       h.error_class,
+       h.error_message,
+       h.target_topic,
+       h.next_run_at,
+       h.partition,
+       h.record_offset,
+       h.actor
+FROM deferred_lineage_history(deferred_lineage(:id)) h
+ORDER BY h.id NULLS LAST, h.event <> 'deferred';

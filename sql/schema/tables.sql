@@ -141,6 +141,12 @@ CREATE INDEX deferred_message_released_key
     ON deferred_message (business_key)
     WHERE state = 'parked' AND NOT park_holds_key;
 
+-- The re-deferrals of a message (show_message.sql), and the messages of a
+-- lineage still pending with no history row yet (deferred_lineage_history):
+-- a re-deferral's lineage is its origin's. Partial, so that a first
+-- deferral, which has no origin, costs the index nothing (migration 0012).
+CREATE INDEX deferred_message_origin ON deferred_message (origin_id) WHERE origin_id IS NOT NULL;
+
 -- Operators look at what is not flowing; those rows are few.
 CREATE INDEX deferred_message_not_pending
     ON deferred_message (state, target_topic) WHERE state <> 'pending';
@@ -224,7 +230,11 @@ CREATE INDEX deferred_key_failing ON deferred_key (failures) WHERE failures > 0;
 -- ---------------------------------------------------------------------------
 -- deferred_attempt: the attempt history, one row per thing that happened to
 -- a message, kept after the message itself is delivered and deleted, so
--- that an operator can read a lineage's whole story in SQL. A lineage is a
+-- that an operator can read a lineage's whole story in SQL. A deferral that
+-- nothing followed but the delivery is folded into the 'published' row
+-- (deferred_at), and a message still pending that nothing happened to has
+-- no row yet: its row in deferred_message is the record (migration 0012).
+-- The view deferred_history has every event, those unfolded. A lineage is a
 -- message and every re-deferral of it (records carrying defer.id of an
 -- earlier row); its id is the id of the first row.
 CREATE TABLE deferred_attempt (
@@ -254,13 +264,20 @@ CREATE TABLE deferred_attempt (
     -- (ingest's inserts, dispatch's publish and park), or recorded before
     -- actors were kept.
     actor         text,
+    -- On a 'published' row: the message had no history before it (stored
+    -- pending and left alone, nearly every message), and this row also
+    -- records its deferral: when it was stored (its created_at); the
+    -- row's error_class and error_message are the deferral's. The view
+    -- deferred_history shows it as a 'deferred' event of its own
+    -- (migration 0012). NULL on every other row.
+    deferred_at   timestamptz,
 
     CONSTRAINT deferred_attempt_event_valid
         CHECK (event IN ('deferred', 'gated', 'parked', 'rejected', 'replayed', 'published', 'cancelled', 'expedited'))
 );
 
 COMMENT ON TABLE deferred_attempt IS
-    'History of every message lineage: deferrals, parks, rejections, replays, expedites, cancels and deliveries, and who acted. Written by triggers on deferred_message and by dispatch''s finalize; pruned after HISTORY_RETENTION.';
+    'History of every message lineage: deferrals, parks, rejections, replays, expedites, cancels and deliveries, and who acted. Written by triggers on deferred_message and by dispatch''s finalize; pruned after HISTORY_RETENTION. A deferral followed only by its delivery is folded into the published row (deferred_at): read the view deferred_history for every event.';
 
 CREATE INDEX deferred_attempt_lineage ON deferred_attempt (lineage_id, id);
 -- (message_id, id): a lineage lookup is one index probe, first row wins.

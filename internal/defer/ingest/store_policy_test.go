@@ -2,17 +2,18 @@ package ingest
 
 import (
 	"context"
-	"fmt"
 	"reflect"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/pgtest"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // policyColumns are the columns of a row that the retry rules set.
@@ -237,10 +238,14 @@ type attemptRow struct {
 }
 
 // TestStoreHistoryLineage follows one message through three re-deferrals,
-// each delivered (deleted) before the consumer sends it back with the id of
-// the row it got: the history keeps all four as one lineage, named after the
-// first row, with the attempts and errors as sent; the last one, out of
-// retries, is parked.
+// each delivered (deleted by dispatch's finalize statement) before the
+// consumer sends it back with the id of the row it got: the history keeps
+// all four as one lineage, named after the first row, with the attempts and
+// errors as sent; the last one, out of retries, is parked. The three
+// delivered ones have no history row of their own until their delivery,
+// which folds their deferral into its 'published' row (migration 0012);
+// the view deferred_history shows each as a 'deferred' event before its
+// delivery.
 func TestStoreHistoryLineage(t *testing.T) {
 	db := pgtest.NewDB(t)
 	store := NewStore(db.Pool, nil)
@@ -271,18 +276,29 @@ func TestStoreHistoryLineage(t *testing.T) {
 		}
 		ids = append(ids, id)
 		if i < len(sends)-1 {
-			// Delivered: dispatch's finalize deletes the row (under
-			// scheduler.finalizing, so that it is no cancel); its history
-			// stays.
-			if _, err := db.Pool.Exec(ctx, fmt.Sprintf(`SELECT set_config('scheduler.finalizing', 'test', true);
-				DELETE FROM deferred_message WHERE id = %d`, id)); err != nil {
-				t.Fatal(err)
+			// Delivered: dispatch's finalize deletes the row and records the
+			// delivery (under scheduler.finalizing, so that it is no
+			// cancel); its history stays.
+			if err := pgx.BeginFunc(ctx, db.Pool, func(tx pgx.Tx) error {
+				if err := queries.DispatchFinalizing(ctx, tx, queries.DispatchFinalizingParams{Owner: "test"}); err != nil {
+					return err
+				}
+				return queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: []int64{id}})
+			}); err != nil {
+				t.Fatalf("send %d: deliver: %v", i, err)
 			}
 		}
 	}
 
+	var rawRows int
+	if err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM deferred_attempt").Scan(&rawRows); err != nil {
+		t.Fatal(err)
+	}
+	if rawRows != len(sends) {
+		t.Errorf("%d rows in deferred_attempt, want %d: three deliveries with their deferrals folded in, and the park", rawRows, len(sends))
+	}
 	rows, err := db.Pool.Query(ctx, `SELECT lineage_id, message_id, event, attempt, reason, error_class, error_message
-FROM deferred_attempt ORDER BY id`)
+FROM deferred_history WHERE event <> 'published' ORDER BY id NULLS LAST, event <> 'deferred'`)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,5 +1,18 @@
 -- deferred_attempt_after_insert: the AFTER INSERT trigger of
--- deferred_message that writes the attempt history (deferred_attempt).
+-- deferred_message that writes the attempt history (deferred_attempt) for
+-- messages stored parked, rejected or gated: each such row is an event of
+-- its own from the start.
+--
+-- A message stored pending, not gated (a plain deferral, nearly every row
+-- ingest writes) gets no history row here: its own row in deferred_message
+-- records the deferral while nothing else happens to it (migration 0012).
+-- The deferral reaches the history with the message's first other event:
+-- the finalize that publishes it folds it into the 'published' row
+-- (deferred_at, sql/queries/dispatch_delete.sql), and the update and delete
+-- triggers write it as a 'deferred' row of its own, from the row as it was,
+-- before their event (deferred_attempt_after_update.sql,
+-- deferred_attempt_after_delete.sql). The view deferred_history unfolds it.
+--
 -- A re-deferral joins the lineage of the row it names in defer.id
 -- (origin_id); if that row's history is gone (pruned), the lineage is named
 -- after origin_id itself.
@@ -16,9 +29,10 @@ BEGIN
                          WHERE a.message_id = n.origin_id ORDER BY a.message_id, a.id LIMIT 1)
                     END, n.origin_id, n.id),
            n.id,
-           CASE WHEN n.state <> 'pending' THEN n.state WHEN n.gated THEN 'gated' ELSE 'deferred' END,
+           CASE WHEN n.state <> 'pending' THEN n.state ELSE 'gated' END,
            n.attempt, n.reason, n.error_class, n.error_message, n.target_topic, n.next_run_at
     FROM new_rows n
+    WHERE n.state <> 'pending' OR n.gated
     ORDER BY n.id;
     RETURN NULL;
 END

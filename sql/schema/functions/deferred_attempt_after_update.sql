@@ -9,6 +9,14 @@
 -- scheduler.finalizing), else the transaction's scheduler.actor
 -- (operate.SetActor), else session_user, which is not changed by SECURITY
 -- DEFINER: an operator with psql is named by the role they logged in as.
+--
+-- A message stored pending (not gated) has no history row until something
+-- else happens to it (deferred_attempt_after_insert.sql, migration 0012):
+-- its deferral is written here first, as a 'deferred' row made from the
+-- row as it was before this statement, recorded at its created_at, in the
+-- lineage the insert would have given it. Any update does it, not only
+-- those recorded as events below, so that the deferral is the row as
+-- stored, not as an operator edited it since.
 
 CREATE OR REPLACE FUNCTION deferred_attempt_after_update() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -17,6 +25,18 @@ DECLARE
                        THEN coalesce(nullif(current_setting('scheduler.actor', true), ''), session_user::text)
                   END;
 BEGIN
+    INSERT INTO deferred_attempt (lineage_id, message_id, event, attempt, reason, error_class, error_message,
+                                  target_topic, next_run_at, recorded_at)
+    SELECT coalesce(CASE WHEN o.origin_id IS NOT NULL THEN
+                        (SELECT a.lineage_id FROM deferred_attempt a
+                         WHERE a.message_id = o.origin_id ORDER BY a.message_id, a.id LIMIT 1)
+                    END, o.origin_id, o.id),
+           o.id, 'deferred', o.attempt, o.reason, o.error_class, o.error_message, o.target_topic, o.next_run_at,
+           o.created_at
+    FROM old_rows o
+    WHERE o.state = 'pending' AND NOT o.gated
+      AND NOT EXISTS (SELECT FROM deferred_attempt a WHERE a.message_id = o.id)
+    ORDER BY o.id;
     INSERT INTO deferred_attempt (lineage_id, message_id, event, attempt, reason, error_class, error_message,
                                   target_topic, next_run_at, actor)
     SELECT coalesce((SELECT a.lineage_id FROM deferred_attempt a
