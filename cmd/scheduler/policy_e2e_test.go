@@ -225,7 +225,7 @@ func TestPolicyWalksLadderToParkingLotAndBack(t *testing.T) {
 	var story string
 	if err := db.Pool.QueryRow(ctx, `
 		SELECT string_agg(h.event || '@' || h.attempt || ':' || coalesce(h.error_class, '-'), ','
-		                  ORDER BY h.id NULLS LAST, h.event <> 'deferred')
+		                  ORDER BY h.recorded_at, h.id NULLS LAST, h.event <> 'deferred')
 		FROM deferred_lineage_history(deferred_lineage((SELECT id FROM deferred_message WHERE value = 'm1'))) h`).Scan(&story); err != nil {
 		t.Fatal(err)
 	}

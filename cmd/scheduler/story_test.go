@@ -170,14 +170,15 @@ func TestReasonCodesAndHistoryFromRealParks(t *testing.T) {
 	cliOK(t, env, "expedite", "--id", idArg(later2ID)) // and dispatch publishes it (the service acts: no actor)
 	cliOK(t, env, "cancel", idArg(later3ID))
 	var actors string
-	// Each deferral, the service's, is written just before the first
-	// operator's event of its message (migration 0012).
+	// Each deferral, the service's, is written with the first operator's
+	// event of its message (migration 0012), but recorded at when it was
+	// stored, so the events read in the order they happened.
 	if err := db.Pool.QueryRow(t.Context(), `SELECT string_agg(event || '=' || coalesce(actor, '-'), ','
-		                                            ORDER BY id NULLS LAST, event <> 'deferred')
+		                                            ORDER BY recorded_at, id NULLS LAST, event <> 'deferred')
 		FROM deferred_history WHERE message_id = ANY ($1) AND event <> 'published'`, []int64{laterID, later2ID, later3ID}).Scan(&actors); err != nil {
 		t.Fatal(err)
 	}
-	if actors != "deferred=-,parked=cli:alice,deferred=-,expedited=cli:alice,deferred=-,cancelled=cli:alice" {
+	if actors != "deferred=-,deferred=-,deferred=-,parked=cli:alice,expedited=cli:alice,cancelled=cli:alice" {
 		t.Errorf("history events and actors: %s", actors)
 	}
 

@@ -42,6 +42,19 @@ func TestFoldedDeferral(t *testing.T) {
 		}
 		return id, created
 	}
+	// insertParked stores a message parked at ingest (out of retries), as
+	// a re-deferral of origin.
+	insertParked := func(t *testing.T, key string, origin int64) int64 {
+		t.Helper()
+		var id int64
+		if err := db.Pool.QueryRow(ctx, `INSERT INTO deferred_message (business_key, target_topic, next_run_at,
+				attempt, state, reason, error_class, error_message, origin_id, parked_at)
+			VALUES ($1, 't', now(), 2, 'parked', 'exhausted: 2 retries made', 'Timeout', 'read timed out', $2, now())
+			RETURNING id`, key, origin).Scan(&id); err != nil {
+			t.Fatal(err)
+		}
+		return id
+	}
 	// deliver claims the due heads and finalizes them as published (at
 	// partition 2, offset 40 + i) or, for the ids in park, parked.
 	deliver := func(t *testing.T, park ...int64) {
@@ -177,6 +190,26 @@ func TestFoldedDeferral(t *testing.T) {
 			rows: 1,
 		},
 		{
+			// The consumer re-defers a record as soon as it reads it, so a
+			// re-deferral can be stored before the finalize that published
+			// its origin commits: the origin has its row then, but no
+			// history. The re-deferral's lineage is its origin's all the
+			// same. (Caught by TestPolicyWalksLadderToParkingLotAndBack in
+			// CI: a parked re-deferral in a lineage of its own.)
+			name: "a re-deferral parked at ingest before its origin's delivery is finalized",
+			run: func(t *testing.T) (int64, time.Time) {
+				first, at := insert(t, "k-quick", -time.Second, 0, false)
+				deliver(t)
+				second, _ := insert(t, "k-quick-2", -time.Second, first, false)
+				insertParked(t, "k-quick-3", second)
+				deliver(t)
+				return first, at
+			},
+			want: []string{"m1 deferred 0 Timeout -", "m1 published 1 - -", "m2 deferred 1 Timeout -", "m3 parked 2 Timeout -",
+				"m2 published 2 - -"},
+			rows: 3,
+		},
+		{
 			name: "a re-deferral delivered: its folded row in its origin's lineage",
 			run: func(t *testing.T) (int64, time.Time) {
 				first, at := insert(t, "k-redelivered", -time.Second, 0, false)
@@ -223,7 +256,7 @@ func TestFoldedDeferral(t *testing.T) {
 			var viewed []string
 			rows, err := db.Pool.Query(ctx, `SELECT message_id, event FROM deferred_history
 				WHERE message_id IN (SELECT message_id FROM deferred_lineage_history($1))
-				ORDER BY id NULLS LAST, event <> 'deferred'`, id)
+				ORDER BY recorded_at, id NULLS LAST, event <> 'deferred'`, id)
 			if err != nil {
 				t.Fatal(err)
 			}

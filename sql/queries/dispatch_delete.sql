@@ -41,10 +41,7 @@ WITH gone AS (
     -- One probe of deferred_attempt_message per message: its first event
     -- names its lineage; a message without one folds its deferral in.
     SELECT coalesce(f.lineage_id,
-                    CASE WHEN p.origin_id IS NOT NULL THEN
-                        (SELECT a.lineage_id FROM deferred_attempt a
-                         WHERE a.message_id = p.origin_id ORDER BY a.message_id, a.id LIMIT 1)
-                    END, p.origin_id, p.id),
+                    CASE WHEN p.origin_id IS NOT NULL THEN deferred_lineage(p.origin_id) ELSE p.id END),
            p.id, 'published', p.attempt + 1, p.target_topic, p.next_run_at, p.partition, p.record_offset,
            CASE WHEN f.lineage_id IS NULL THEN p.created_at END,
            CASE WHEN f.lineage_id IS NULL THEN p.error_class END,

@@ -111,4 +111,4 @@ SELECT h.lineage_id,
        h.record_offset,
        h.actor
 FROM deferred_lineage_history(deferred_lineage(:id)) h
-ORDER BY h.id NULLS LAST, h.event <> 'deferred';
+ORDER BY h.recorded_at, h.id NULLS LAST, h.event <> 'deferred';

@@ -298,7 +298,7 @@ func TestStoreHistoryLineage(t *testing.T) {
 		t.Errorf("%d rows in deferred_attempt, want %d: three deliveries with their deferrals folded in, and the park", rawRows, len(sends))
 	}
 	rows, err := db.Pool.Query(ctx, `SELECT lineage_id, message_id, event, attempt, reason, error_class, error_message
-FROM deferred_history WHERE event <> 'published' ORDER BY id NULLS LAST, event <> 'deferred'`)
+FROM deferred_history WHERE event <> 'published' ORDER BY recorded_at, id NULLS LAST, event <> 'deferred'`)
 	if err != nil {
 		t.Fatal(err)
 	}

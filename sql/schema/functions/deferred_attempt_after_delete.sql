@@ -22,10 +22,7 @@ BEGIN
     END IF;
     INSERT INTO deferred_attempt (lineage_id, message_id, event, attempt, reason, error_class, error_message,
                                   target_topic, next_run_at, recorded_at)
-    SELECT coalesce(CASE WHEN o.origin_id IS NOT NULL THEN
-                        (SELECT a.lineage_id FROM deferred_attempt a
-                         WHERE a.message_id = o.origin_id ORDER BY a.message_id, a.id LIMIT 1)
-                    END, o.origin_id, o.id),
+    SELECT CASE WHEN o.origin_id IS NOT NULL THEN deferred_lineage(o.origin_id) ELSE o.id END,
            o.id, 'deferred', o.attempt, o.reason, o.error_class, o.error_message, o.target_topic, o.next_run_at,
            o.created_at
     FROM old_rows o
@@ -36,10 +33,7 @@ BEGIN
                                   target_topic, next_run_at, actor)
     SELECT coalesce((SELECT a.lineage_id FROM deferred_attempt a
                      WHERE a.message_id = o.id ORDER BY a.message_id, a.id LIMIT 1),
-                    CASE WHEN o.origin_id IS NOT NULL THEN
-                        (SELECT a.lineage_id FROM deferred_attempt a
-                         WHERE a.message_id = o.origin_id ORDER BY a.message_id, a.id LIMIT 1)
-                    END, o.origin_id, o.id),
+                    CASE WHEN o.origin_id IS NOT NULL THEN deferred_lineage(o.origin_id) ELSE o.id END),
            o.id, 'cancelled', o.attempt, o.reason, o.error_class, o.error_message, o.target_topic, o.next_run_at,
            coalesce(nullif(current_setting('scheduler.actor', true), ''), session_user::text)
     FROM old_rows o

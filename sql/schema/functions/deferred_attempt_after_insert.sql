@@ -24,10 +24,7 @@ BEGIN
                                   target_topic, next_run_at)
     -- Most rows are not re-deferrals: the lookup runs only for those that
     -- are, as one probe of deferred_attempt_message each.
-    SELECT coalesce(CASE WHEN n.origin_id IS NOT NULL THEN
-                        (SELECT a.lineage_id FROM deferred_attempt a
-                         WHERE a.message_id = n.origin_id ORDER BY a.message_id, a.id LIMIT 1)
-                    END, n.origin_id, n.id),
+    SELECT CASE WHEN n.origin_id IS NOT NULL THEN deferred_lineage(n.origin_id) ELSE n.id END,
            n.id,
            CASE WHEN n.state <> 'pending' THEN n.state ELSE 'gated' END,
            n.attempt, n.reason, n.error_class, n.error_message, n.target_topic, n.next_run_at

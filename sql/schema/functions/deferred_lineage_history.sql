@@ -6,12 +6,17 @@
 -- row yet, each a 'deferred' event from its row (migration 0012). Those are
 -- the lineage's first message, if still stored, and re-deferrals of its
 -- messages, found by their origin (deferred_message_origin): a re-deferral
--- is made from a message that was published, so its origin has history.
+-- is made from a message that was published, so its origin has history,
+-- but for the moment between that publish and its finalize's commit (see
+-- deferred_lineage.sql): a re-deferral stored then is missing here until
+-- its origin's 'published' row commits, milliseconds later. Its lineage
+-- is right all the same, and so is every row the history keeps.
 --
 -- id is the history row's; an unfolded deferral has the id of the
 -- 'published' row it was folded into, and a pending message's deferral has
--- none. In the order of the events: ORDER BY id NULLS LAST, event <>
--- 'deferred' (history.sql). Columns as deferred_history's.
+-- none. In the order of the events: ORDER BY recorded_at, id NULLS LAST,
+-- event <> 'deferred' (history.sql; deferred_history.sql says why).
+-- Columns as deferred_history's.
 
 CREATE OR REPLACE FUNCTION deferred_lineage_history(lineage bigint)
 RETURNS TABLE (id bigint, lineage_id bigint, message_id bigint, event text, attempt int, reason text,
@@ -39,8 +44,5 @@ LANGUAGE sql STABLE AS $$
                                        WHERE a.lineage_id = deferred_lineage_history.lineage)))
       AND m.state = 'pending' AND NOT m.gated
       AND NOT EXISTS (SELECT FROM deferred_attempt a WHERE a.message_id = m.id)
-      AND coalesce(CASE WHEN m.origin_id IS NOT NULL THEN
-                       (SELECT a.lineage_id FROM deferred_attempt a
-                        WHERE a.message_id = m.origin_id ORDER BY a.message_id, a.id LIMIT 1)
-                   END, m.origin_id, m.id) = deferred_lineage_history.lineage
+      AND deferred_lineage(m.id) = deferred_lineage_history.lineage
 $$;

@@ -9,8 +9,10 @@
 -- deferral (at deferred_at, with the id of its 'published' row), plus a
 -- 'deferred' row for each message still pending with no history row (no
 -- id; its lineage as deferred_lineage names it). Columns as
--- deferred_attempt's, but deferred_at. Order events by id NULLS LAST,
--- event <> 'deferred'.
+-- deferred_attempt's, but deferred_at. Order events by recorded_at, id
+-- NULLS LAST, event <> 'deferred': a deferral written late (folded, or
+-- before a later event) has a later id than events that came after it,
+-- but is recorded at when it happened.
 --
 -- Reading one message (WHERE message_id = ...) reads indexes. Reading one
 -- lineage (WHERE lineage_id = ...) reads every pending message for the
@@ -32,10 +34,7 @@ SELECT a.id, a.lineage_id, a.message_id, 'deferred', a.attempt - 1, NULL, a.erro
 FROM deferred_attempt a
 WHERE a.deferred_at IS NOT NULL
 UNION ALL
-SELECT NULL, coalesce(CASE WHEN m.origin_id IS NOT NULL THEN
-                          (SELECT a.lineage_id FROM deferred_attempt a
-                           WHERE a.message_id = m.origin_id ORDER BY a.message_id, a.id LIMIT 1)
-                      END, m.origin_id, m.id),
+SELECT NULL, deferred_lineage(m.id),
        m.id, 'deferred', m.attempt, m.reason, m.error_class, m.error_message, m.target_topic, m.next_run_at,
        m.created_at, NULL, NULL, NULL
 FROM deferred_message m
