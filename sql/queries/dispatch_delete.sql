@@ -12,9 +12,8 @@
 --     all: migration 0012) has its deferral folded into that one row:
 --     deferred_at (its created_at) and the error it was deferred for
 --     (error_class, error_message), which the view deferred_history shows
---     as its 'deferred' event. Its lineage is then its origin's, as the
---     insert trigger names it (one probe of the origin's history, for
---     re-deferrals only);
+--     as its 'deferred' event. Its lineage is then its origin's, as
+--     deferred_lineage names it (a call for re-deferrals only);
 --   - if it names a consumer group and a business key (defer.group), its
 --     key in deferred_inflight for that group and target partition, the
 --     key's last record there winning: the key stays blocked for the
