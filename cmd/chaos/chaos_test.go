@@ -121,7 +121,7 @@ func TestCheck(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got := result{Rewinds: tt.rewinds}
+			got := result{Rewinds: tt.rewinds, RewoundFrom: time.Unix(100, 0), RewoundTo: time.Unix(200, 0)}
 			check(sent, tt.ds, &got)
 			type counts struct{ Delivered, Lost, Duplicates, OrderViolations, Unexpected, Redelivered int }
 			g := counts{got.Delivered, got.Lost, got.Duplicates, got.OrderViolations, got.Unexpected, got.Redelivered}
@@ -130,6 +130,76 @@ func TestCheck(t *testing.T) {
 				t.Errorf("got %+v, want %+v (problems: %q)", g, w, got.Examples)
 			}
 		})
+	}
+}
+
+// The duplicates of a record first read between the backup and the rewind
+// are the rewind's, at most two per record (the rewind's republish, and a
+// kill cutting the catch-up round that republished it); every other
+// duplicate counts against the 5% bound.
+func TestCheckRewindDuplicates(t *testing.T) {
+	a0 := message{Key: "a", N: 0}
+	a1 := message{Key: "a", N: 1}
+	sent := []message{a0, a1}
+	from, to := time.Unix(100, 0), time.Unix(200, 0)
+	at := func(d delivery, sec int64) delivery { d.at = time.Unix(sec, 0); return d }
+	tests := []struct {
+		name          string
+		rewinds       int
+		ds            []delivery
+		dups, rewound int
+	}{
+		{
+			name:    "read in the window, duplicated twice after it",
+			rewinds: 1,
+			ds:      []delivery{at(rec(a0, "1", 1, 0), 150), at(rec(a0, "1", 1, 1), 210), at(rec(a0, "1", 1, 2), 220), at(rec(a1, "2", 1, 3), 230)},
+			dups:    2, rewound: 2,
+		},
+		{
+			name:    "a third copy is no longer the rewind's",
+			rewinds: 1,
+			ds: []delivery{at(rec(a0, "1", 1, 0), 150), at(rec(a0, "1", 1, 1), 210), at(rec(a0, "1", 1, 2), 220),
+				at(rec(a0, "1", 1, 3), 225), at(rec(a1, "2", 1, 4), 230)},
+			dups: 3, rewound: 2,
+		},
+		{
+			name:    "read before the backup or after the rewind: not the rewind's",
+			rewinds: 1,
+			ds:      []delivery{at(rec(a0, "1", 1, 0), 50), at(rec(a0, "1", 1, 1), 150), at(rec(a1, "2", 1, 2), 250), at(rec(a1, "2", 1, 3), 260)},
+			dups:    2, rewound: 0,
+		},
+		{
+			name: "no rewind: none are",
+			ds:   []delivery{at(rec(a0, "1", 1, 0), 150), at(rec(a0, "1", 1, 1), 210), at(rec(a1, "2", 1, 2), 230)},
+			dups: 1, rewound: 0,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := result{Rewinds: tt.rewinds, RewoundFrom: from, RewoundTo: to}
+			check(sent, tt.ds, &got)
+			if got.Duplicates != tt.dups || got.RewindDuplicates != tt.rewound {
+				t.Errorf("duplicates %d, of them the rewind's %d; want %d and %d", got.Duplicates, got.RewindDuplicates, tt.dups, tt.rewound)
+			}
+			if want := dupBound(len(sent), 0) + tt.rewound; got.DupBound != want {
+				t.Errorf("bound %d, want %d: 5%% of sent (at least 20, and 50 a kill) plus the rewind's", got.DupBound, want)
+			}
+		})
+	}
+}
+
+// The bound besides the rewind's: 5% of the messages sent, at least 20,
+// and at least 50 per kill.
+func TestDupBound(t *testing.T) {
+	for _, tt := range []struct{ sent, kills, want int }{
+		{sent: 100, kills: 0, want: 20},
+		{sent: 2000, kills: 0, want: 100},
+		{sent: 2000, kills: 4, want: 200},
+		{sent: 30000, kills: 21, want: 1500},
+	} {
+		if got := dupBound(tt.sent, tt.kills); got != tt.want {
+			t.Errorf("dupBound(%d sent, %d kills) = %d, want %d", tt.sent, tt.kills, got, tt.want)
+		}
 	}
 }
 
