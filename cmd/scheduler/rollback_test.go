@@ -106,21 +106,42 @@ func TestPostgresGoesBackInTime(t *testing.T) {
 			// consumer drop that message.
 			valueOf := map[string]string{}
 			times := map[string]int{}
+			ids := map[string]map[string]bool{} // value -> the defer.ids it went out with
 			for _, d := range got {
 				if v, ok := valueOf[d.id]; ok && v != d.value {
 					t.Errorf("defer.id %s delivered for %q and for %q", d.id, v, d.value)
 				}
 				valueOf[d.id] = d.value
 				times[d.value]++
+				if ids[d.value] == nil {
+					ids[d.value] = map[string]bool{}
+				}
+				ids[d.value][d.id] = true
 			}
 			redelivered := map[string]int{}
+			retried := 0
 			for v, k := range times {
-				if k > 1 {
-					redelivered[v[:strings.IndexByte(v, '-')]]++
+				if k == 1 {
+					continue
 				}
+				batch := v[:strings.IndexByte(v, '-')]
+				// No late record was published before the rewind, so a
+				// second copy is either a second row (stored twice: a
+				// different defer.id) or a produce request retried after
+				// the broker wrote it, which docs/design.md 4.5 allows:
+				// the same defer.id again. The test's 300 ms KAFKA_TIMEOUT
+				// makes the second likely on a loaded machine.
+				if batch == "late" && len(ids[v]) == 1 {
+					retried++
+					continue
+				}
+				redelivered[batch]++
 			}
 			if redelivered["late"] > 0 {
-				t.Errorf("%d late records delivered more than once; none was published before the rewind", redelivered["late"])
+				t.Errorf("%d late records delivered under more than one defer.id; none was published before the rewind, and each was stored once", redelivered["late"])
+			}
+			if retried > 0 {
+				t.Logf("%d late records delivered again with the same defer.id (a retried produce request)", retried)
 			}
 			if redelivered["early"] != n {
 				t.Errorf("%d of the %d early records delivered again; the rewind brought back every one of their rows", redelivered["early"], n)
