@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"maps"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -59,13 +60,7 @@ type Metrics struct {
 	lateness      prometheus.Histogram
 	roundDuration prometheus.Histogram
 
-	messages    *prometheus.GaugeVec
-	messagesDue *prometheus.GaugeVec
-	oldestDue   prometheus.Gauge
-	heldKeys    prometheus.Gauge
-	oldestTx    prometheus.Gauge
-	heldParked  prometheus.Gauge
-	dlqUnsent   prometheus.Gauge
+	backlog *backlogCollector
 
 	dlqPublished     prometheus.Counter
 	dlqPublishErrors *prometheus.CounterVec
@@ -75,8 +70,6 @@ type Metrics struct {
 	keyStateRequests *prometheus.CounterVec
 	keyStateDuration prometheus.Histogram
 	keyStateKeys     *prometheus.CounterVec
-	inflightKeys     prometheus.Gauge
-	inflightOldest   prometheus.Gauge
 	inflightReleased prometheus.Counter
 	inflightErrors   prometheus.Counter
 
@@ -87,11 +80,6 @@ type Metrics struct {
 	// targetsMu guards targets, the target labels handed out (see Target).
 	targetsMu sync.Mutex
 	targets   map[string]struct{}
-
-	// backlogMu guards backlogTargets, the targets the last SetBacklog
-	// exported, so the next one can delete those that are gone.
-	backlogMu      sync.Mutex
-	backlogTargets map[string]bool
 }
 
 // New creates the scheduler's metrics and registers them with reg.
@@ -167,34 +155,6 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Help:    "Duration of dispatch rounds that claimed keys: claim, publish and finalize.",
 			Buckets: durations,
 		}),
-		messages: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: Messages,
-			Help: "Messages in deferred_message by target topic and state, from a periodic query (METRICS_INTERVAL).",
-		}, []string{"target", "state"}),
-		messagesDue: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: MessagesDue,
-			Help: "Pending messages whose due time has passed, not yet published, by target topic (periodic query).",
-		}, []string{"target"}),
-		oldestDue: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: OldestDue,
-			Help: "How long ago the earliest due key head became due; 0 when none is due (periodic query).",
-		}),
-		oldestTx: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: DBOldestTransaction,
-			Help: "Age of the oldest open transaction in the database that holds a snapshot (so holds back vacuum of the queue tables); 0 if none (periodic query).",
-		}),
-		heldKeys: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: HeldKeys,
-			Help: "Business keys that cannot move: backing off after consecutive retriable publish failures (periodic query). Keys held by a parked message are " + KeysHeldParked + ".",
-		}),
-		heldParked: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: KeysHeldParked,
-			Help: "Business keys held by a parked message whose retry policy holds its key: the rest of the key waits until an operator replays or deletes it (periodic query).",
-		}),
-		dlqUnsent: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: DLQUnsent,
-			Help: "Parked messages whose dead-letter copy the broker has not acknowledged yet (periodic query).",
-		}),
 		dlqPublished: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: DLQPublished,
 			Help: "Dead-letter copies of parked messages acknowledged by the broker.",
@@ -232,14 +192,6 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Name: KeyStateKeys,
 			Help: "Business keys answered by key-state queries, by answer: blocked or free.",
 		}, []string{"answer"}),
-		inflightKeys: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: InflightKeys,
-			Help: "Rows of deferred_inflight: keys whose last republished record their consumer group has not committed past yet, per target partition (periodic query).",
-		}),
-		inflightOldest: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: InflightOldest,
-			Help: "How long ago the oldest record in deferred_inflight was published; 0 when none (periodic query). A group that stopped committing (deleted, renamed, stuck) keeps its keys blocked: see the README's runbook.",
-		}),
 		inflightReleased: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: InflightReleased,
 			Help: "Rows of deferred_inflight released because their consumer group committed past the record.",
@@ -248,7 +200,8 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Name: InflightErrors,
 			Help: "Failed reads of a consumer group's committed offsets by the in-flight release (retried about once a second; the log names the group).",
 		}),
-		pool: newPoolCollector(),
+		pool:    newPoolCollector(),
+		backlog: newBacklogCollector(),
 	}
 	buildInfo := prometheus.NewGauge(prometheus.GaugeOpts{
 		Name:        BuildInfo,
@@ -275,10 +228,10 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.ingestRollbacks, m.ingestReread, m.ingestUnrecoverable, m.ingestResets, m.ingestBuffered,
 		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
-		m.messages, m.messagesDue, m.oldestDue, m.heldKeys, m.oldestTx, m.heldParked, m.dlqUnsent,
+		m.backlog,
 		m.dlqPublished, m.dlqPublishErrors,
 		m.ingestGated, m.ingestMisrouted, m.keyStateRequests, m.keyStateDuration, m.keyStateKeys,
-		m.inflightKeys, m.inflightOldest, m.inflightReleased, m.inflightErrors,
+		m.inflightReleased, m.inflightErrors,
 		m.riverJobs, m.ready, m.pool, buildInfo,
 	)
 	return m
@@ -498,41 +451,16 @@ type Backlog struct {
 }
 
 // SetBacklog sets the backlog gauges. Every target present gets a series for
-// each state and for due messages (0 when none); series of targets absent
-// from b are deleted, so a target that has no message left disappears.
+// each state and for due messages (0 when none); targets absent from b have
+// none, so a target that has no message left disappears. A scrape shows one
+// read of the backlog whole: Prometheus gathers collectors concurrently, and
+// with a gauge per figure a scrape during SetBacklog could mix two reads
+// (a target's count from one, the held keys from the next).
 func (m *Metrics) SetBacklog(b Backlog) {
 	if m == nil {
 		return
 	}
-	m.backlogMu.Lock()
-	defer m.backlogMu.Unlock()
-	now := map[string]bool{}
-	for t := range b.Messages {
-		now[t] = true
-	}
-	for t := range b.Due {
-		now[t] = true
-	}
-	for t := range now {
-		for _, s := range states() {
-			m.messages.WithLabelValues(t, s).Set(float64(b.Messages[t][s]))
-		}
-		m.messagesDue.WithLabelValues(t).Set(float64(b.Due[t]))
-	}
-	for t := range m.backlogTargets {
-		if !now[t] {
-			m.messages.DeletePartialMatch(prometheus.Labels{"target": t})
-			m.messagesDue.DeleteLabelValues(t)
-		}
-	}
-	m.backlogTargets = now
-	m.oldestDue.Set(max(b.OldestDue, 0).Seconds())
-	m.heldKeys.Set(float64(b.HeldKeys))
-	m.oldestTx.Set(max(b.OldestTransaction, 0).Seconds())
-	m.heldParked.Set(float64(b.KeysHeldParked))
-	m.dlqUnsent.Set(float64(b.DLQUnsent))
-	m.inflightKeys.Set(float64(b.InflightKeys))
-	m.inflightOldest.Set(max(b.InflightOldest, 0).Seconds())
+	m.backlog.set(b)
 }
 
 // IngestGated counts records stored pending behind a blocked key.
@@ -646,4 +574,97 @@ func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.conns, prometheus.GaugeValue, float64(v.n), v.state)
 	}
 	ch <- prometheus.MustNewConstMetric(c.wait, prometheus.CounterValue, s.EmptyAcquireWaitTime().Seconds())
+}
+
+// backlogCollector exports the last backlog read (SetBacklog) at scrape
+// time, all of it from one read.
+type backlogCollector struct {
+	mu   sync.Mutex
+	last Backlog
+
+	messages, messagesDue, oldestDue, oldestTx, heldKeys, heldParked, dlqUnsent,
+	inflightKeys, inflightOldest *prometheus.Desc
+}
+
+func newBacklogCollector() *backlogCollector {
+	return &backlogCollector{
+		messages: prometheus.NewDesc(Messages,
+			"Messages in deferred_message by target topic and state, from a periodic query (METRICS_INTERVAL).",
+			[]string{"target", "state"}, nil),
+		messagesDue: prometheus.NewDesc(MessagesDue,
+			"Pending messages whose due time has passed, not yet published, by target topic (periodic query).",
+			[]string{"target"}, nil),
+		oldestDue: prometheus.NewDesc(OldestDue,
+			"How long ago the earliest due key head became due; 0 when none is due (periodic query).",
+			nil, nil),
+		oldestTx: prometheus.NewDesc(DBOldestTransaction,
+			"Age of the oldest open transaction in the database that holds a snapshot (so holds back vacuum of the queue tables); 0 if none (periodic query).",
+			nil, nil),
+		heldKeys: prometheus.NewDesc(HeldKeys,
+			"Business keys that cannot move: backing off after consecutive retriable publish failures (periodic query). Keys held by a parked message are "+KeysHeldParked+".",
+			nil, nil),
+		heldParked: prometheus.NewDesc(KeysHeldParked,
+			"Business keys held by a parked message whose retry policy holds its key: the rest of the key waits until an operator replays or deletes it (periodic query).",
+			nil, nil),
+		dlqUnsent: prometheus.NewDesc(DLQUnsent,
+			"Parked messages whose dead-letter copy the broker has not acknowledged yet (periodic query).",
+			nil, nil),
+		inflightKeys: prometheus.NewDesc(InflightKeys,
+			"Rows of deferred_inflight: keys whose last republished record their consumer group has not committed past yet, per target partition (periodic query).",
+			nil, nil),
+		inflightOldest: prometheus.NewDesc(InflightOldest,
+			"How long ago the oldest record in deferred_inflight was published; 0 when none (periodic query). A group that stopped committing (deleted, renamed, stuck) keeps its keys blocked: see the README's runbook.",
+			nil, nil),
+	}
+}
+
+// set keeps a copy of b: the caller may reuse its maps.
+func (c *backlogCollector) set(b Backlog) {
+	b.Messages = maps.Clone(b.Messages)
+	for t, byState := range b.Messages {
+		b.Messages[t] = maps.Clone(byState)
+	}
+	b.Due = maps.Clone(b.Due)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.last = b
+}
+
+// Describe implements prometheus.Collector.
+func (c *backlogCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.messages, c.messagesDue, c.oldestDue, c.oldestTx, c.heldKeys,
+		c.heldParked, c.dlqUnsent, c.inflightKeys, c.inflightOldest} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector. The scalar gauges are exported
+// from the start (at 0 until the first read), as plain gauges were.
+func (c *backlogCollector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	b := c.last
+	c.mu.Unlock()
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	targets := map[string]bool{}
+	for t := range b.Messages {
+		targets[t] = true
+	}
+	for t := range b.Due {
+		targets[t] = true
+	}
+	for t := range targets {
+		for _, s := range states() {
+			gauge(c.messages, float64(b.Messages[t][s]), t, s)
+		}
+		gauge(c.messagesDue, float64(b.Due[t]), t)
+	}
+	gauge(c.oldestDue, max(b.OldestDue, 0).Seconds())
+	gauge(c.heldKeys, float64(b.HeldKeys))
+	gauge(c.oldestTx, max(b.OldestTransaction, 0).Seconds())
+	gauge(c.heldParked, float64(b.KeysHeldParked))
+	gauge(c.dlqUnsent, float64(b.DLQUnsent))
+	gauge(c.inflightKeys, float64(b.InflightKeys))
+	gauge(c.inflightOldest, max(b.InflightOldest, 0).Seconds())
 }

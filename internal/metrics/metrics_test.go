@@ -281,3 +281,57 @@ func TestTargetLabelsBounded(t *testing.T) {
 		t.Fatalf("nil Metrics: %q", got)
 	}
 }
+
+// A scrape shows one backlog read whole, even while SetBacklog runs: every
+// figure of a read here equals n, so a scrape mixing two reads (Prometheus
+// gathers collectors concurrently) shows two values. With a gauge per figure
+// this failed within the first few scrapes; the service's metrics test then
+// saw a message pending but not due.
+func TestScrapeShowsOneBacklogRead(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	m := New(reg, "dev")
+	read := func(n int64) Backlog {
+		targets := map[string]map[string]int64{}
+		due := map[string]int64{}
+		// A target appears with the first read that counts it, as a
+		// message's target does.
+		for i := range n % 4 {
+			targets[fmt.Sprint("t", i)] = map[string]int64{"pending": n, "parked": n, "rejected": n}
+			due[fmt.Sprint("t", i)] = n
+		}
+		return Backlog{Messages: targets, Due: due, OldestDue: time.Duration(n) * time.Second,
+			HeldKeys: n, KeysHeldParked: n, DLQUnsent: n, OldestTransaction: time.Duration(n) * time.Second,
+			InflightKeys: n, InflightOldest: time.Duration(n) * time.Second}
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for n := int64(1); ; n++ {
+			select {
+			case <-stop:
+				return
+			default:
+				m.SetBacklog(read(n))
+			}
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	for range 2000 {
+		g := gather(t, reg)
+		held, _ := g.value(HeldKeys)
+		var series int
+		for _, name := range []string{Messages, MessagesDue, OldestDue, HeldKeys, DBOldestTransaction, KeysHeldParked,
+			DLQUnsent, InflightKeys, InflightOldest} {
+			for _, s := range g[name].GetMetric() {
+				series++
+				if v := s.GetGauge().GetValue(); v != held {
+					t.Fatalf("one scrape mixes backlog reads: %s%v = %v, %s = %v", name, s.GetLabel(), v, HeldKeys, held)
+				}
+			}
+		}
+		if want := 7 + 4*int(int64(held)%4); series != want {
+			t.Fatalf("read %v: %d backlog series, want %d (a target per read mod 4, four series each)", held, series, want)
+		}
+	}
+}
