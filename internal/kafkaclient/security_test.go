@@ -119,8 +119,12 @@ func TestSecurity(t *testing.T) {
 
 			conf := config(t, s)
 			// Every network step is bounded by the timeout; the client
-			// retries its first metadata request Retry.Max times.
-			bound := time.Duration(conf.Metadata.Retry.Max+1)*(timeout+conf.Metadata.Retry.Backoff) + timeout
+			// retries its first metadata request Retry.Max times. Twice
+			// that: under the race detector, with the whole suite running
+			// on two cores, one run took 15.1 s against 11 s. What this
+			// catches is a step left to sarama's own defaults (30 s per
+			// dial, over two minutes in all), not a slow machine.
+			bound := 2 * (time.Duration(conf.Metadata.Retry.Max+1)*(timeout+conf.Metadata.Retry.Backoff) + timeout)
 			start := time.Now()
 			client, err := sarama.NewClient([]string{addr}, conf)
 			took := time.Since(start)
