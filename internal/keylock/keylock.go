@@ -437,10 +437,11 @@ const maxDurationSeconds = float64(math.MaxInt64 / int64(time.Second))
 // AnalyzeIfStale analyzes deferred_message and deferred_key when the
 // planner's estimate of their rows has fallen below half of what they hold,
 // and they hold more than minRows, and returns the tables it analyzed. A
-// queue table is typically analyzed just after it drained; when a burst then
-// fills it, plans made for an empty table walk the whole table per claimed
-// key (see migration 0003). Cheap when there is nothing to do: it reads two
-// rows of statistics.
+// queue table is typically analyzed, or vacuumed to nothing, just after it
+// drained; when a burst then fills it, plans made for an empty table walk
+// the whole table per claimed key or statement (see migrations 0003 and
+// 0013). Cheap when there is nothing to do: it reads two rows of
+// statistics.
 func AnalyzeIfStale(ctx context.Context, pool *pgxpool.Pool, minRows int64) ([]string, error) {
 	row, err := queries.QueueAnalyze(ctx, pool, queries.QueueAnalyzeParams{MinRows: minRows})
 	if err != nil {

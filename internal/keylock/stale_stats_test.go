@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -22,9 +23,10 @@ import (
 // takes every scan of deferred_key or deferred_message to return one row,
 // and prefers plans that walk a whole table, per statement or per claimed
 // key: seen at 23 s for one finalize of 500 keys among 100,000.
-// AnalyzeIfStale, which every process runs every two seconds, is the fix;
+// AnalyzeIfStale, which every process runs every second, is the fix;
 // these tests build that state (rows inserted, deleted, ANALYZE, then rows
-// inserted without one) and check it.
+// inserted without one) and check it, and the state autovacuum leaves
+// (deleted, VACUUM: no pages, and indexes that count no tuples).
 
 // step is one hot-path step of the stale-statistics test.
 type step struct {
@@ -42,7 +44,9 @@ type step struct {
 // read a table once per message: migration 0003 bounds them by the batch's
 // keys or ids, though a statement may still walk a table once. After
 // AnalyzeIfStale, each step reads in proportion to its batch, not to the
-// table.
+// table. deferred_key_refresh, which the triggers run on every step, chooses
+// between generic and custom plans (migration 0015): each step runs with it
+// forced to either, and a generic plan is made on the stale statistics.
 func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 	const (
 		tableRows = 20_000
@@ -73,53 +77,68 @@ func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 			return err
 		}},
 	}
-	for _, s := range steps {
-		t.Run(s.name, func(t *testing.T) {
-			t.Parallel()
-			ctx := t.Context()
-			db := pgtest.NewDB(t)
-			staleState(t, db.Pool, tableRows, s.perKey)
+	// Drained, then analyzed (the density recorded is about zero) or
+	// vacuumed (autovacuum's way: the tables truncated to no pages, their
+	// indexes counting no tuples).
+	for _, drained := range []string{"ANALYZE", "VACUUM"} {
+		for _, plans := range []string{"force_custom_plan", "force_generic_plan"} {
+			for _, s := range steps {
+				t.Run(drained+"/"+plans+"/"+s.name, func(t *testing.T) {
+					t.Parallel()
+					staleSteps(t, s, drained, plans, tableRows, batch, perMessage)
+				})
+			}
+		}
+	}
+}
 
-			// Before the analyze, with the statistics stale: each statement
-			// may walk a table once, but none may walk it per message.
-			claimRead, stepRead := runStep(t, db.Pool, s, batch, false)
-			walks := int64(3*tableRows + perMessage*batch)
-			for table, n := range claimRead {
-				if n > walks {
-					t.Errorf("stale statistics: claim read %d rows of %s for %d heads among %d rows (limit %d): a plan walks the table per head",
-						n, table, batch, tableRows, walks)
-				}
-			}
-			for table, n := range stepRead {
-				if n > walks {
-					t.Errorf("stale statistics: %s read %d rows of %s for %d messages among %d rows (limit %d): a plan walks the table per message",
-						s.name, n, table, batch, tableRows, walks)
-				}
-			}
+// staleSteps is one step of TestStaleStatisticsKeepWorkProportionalToBatch
+// on tables drained and then analyzed or vacuumed (drained), with
+// deferred_key_refresh planning by plans (a plan_cache_mode).
+func staleSteps(t *testing.T, s step, drained, plans string, tableRows, batch, perMessage int) {
+	ctx := t.Context()
+	db := pgtest.NewDB(t)
+	mustExec(t, db.Pool, "ALTER FUNCTION deferred_key_refresh(text[], bigint[]) SET plan_cache_mode = "+plans)
+	staleStateAfter(t, db.Pool, tableRows, s.perKey, drained+" deferred_message, deferred_key")
 
-			analyzed, err := keylock.AnalyzeIfStale(ctx, db.Pool, 1000)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if len(analyzed) != 2 {
-				t.Fatalf("AnalyzeIfStale analyzed %v in the stale state, want deferred_key and deferred_message", analyzed)
-			}
+	// Before the analyze, with the statistics stale: each statement
+	// may walk a table once, but none may walk it per message.
+	claimRead, stepRead := runStep(t, db.Pool, s, batch, false)
+	walks := int64(3*tableRows + perMessage*batch)
+	for table, n := range claimRead {
+		if n > walks {
+			t.Errorf("stale statistics: claim read %d rows of %s for %d heads among %d rows (limit %d): a plan walks the table per head",
+				n, table, batch, tableRows, walks)
+		}
+	}
+	for table, n := range stepRead {
+		if n > walks {
+			t.Errorf("stale statistics: %s read %d rows of %s for %d messages among %d rows (limit %d): a plan walks the table per message",
+				s.name, n, table, batch, tableRows, walks)
+		}
+	}
 
-			// After it: in proportion to the batch.
-			claimRead, stepRead = runStep(t, db.Pool, s, batch, true)
-			limit := int64(perMessage * batch)
-			for table, n := range claimRead {
-				if n > limit {
-					t.Errorf("claim read %d rows of %s for %d heads among %d rows (limit %d): a plan walks the table", n, table, batch, tableRows, limit)
-				}
-			}
-			for table, n := range stepRead {
-				if n > limit {
-					t.Errorf("%s read %d rows of %s for %d messages among %d rows (limit %d): a plan walks the table",
-						s.name, n, table, batch, tableRows, limit)
-				}
-			}
-		})
+	analyzed, err := keylock.AnalyzeIfStale(ctx, db.Pool, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(analyzed) != 2 {
+		t.Fatalf("AnalyzeIfStale analyzed %v in the stale state, want deferred_key and deferred_message", analyzed)
+	}
+
+	// After it: in proportion to the batch.
+	claimRead, stepRead = runStep(t, db.Pool, s, batch, true)
+	limit := int64(perMessage * batch)
+	for table, n := range claimRead {
+		if n > limit {
+			t.Errorf("claim read %d rows of %s for %d heads among %d rows (limit %d): a plan walks the table", n, table, batch, tableRows, limit)
+		}
+	}
+	for table, n := range stepRead {
+		if n > limit {
+			t.Errorf("%s read %d rows of %s for %d messages among %d rows (limit %d): a plan walks the table",
+				s.name, n, table, batch, tableRows, limit)
+		}
 	}
 }
 
@@ -192,6 +211,15 @@ func runStep(t *testing.T, pool *pgxpool.Pool, s step, batch int, checkHeads boo
 // that pg_stat_user_tables counts the rows at once.
 func staleState(t *testing.T, pool *pgxpool.Pool, n, perKey int) {
 	t.Helper()
+	staleStateAfter(t, pool, n, perKey, "ANALYZE deferred_message, deferred_key")
+}
+
+// staleStateAfter is staleState with another statement run on the drained
+// tables: "VACUUM deferred_message, deferred_key" is autovacuum after a
+// drain, which truncates both to 0 pages and records 0 tuples for every
+// index, whose pages stay.
+func staleStateAfter(t *testing.T, pool *pgxpool.Pool, n, perKey int, drained string) {
+	t.Helper()
 	conn, err := pool.Acquire(t.Context())
 	if err != nil {
 		t.Fatal(err)
@@ -214,7 +242,7 @@ ORDER BY g`, from, to)
 	mustExec(t, conn, "ALTER TABLE deferred_key SET (autovacuum_enabled = false)")
 	insert(1, 2_000)
 	mustExec(t, conn, "DELETE FROM deferred_message")
-	mustExec(t, conn, "ANALYZE deferred_message, deferred_key")
+	mustExec(t, conn, drained)
 	insert(1_000_001, 1_000_000+n)
 	// Flushed when this statement's result is sent.
 	mustExec(t, conn, "SELECT pg_stat_force_next_flush()")
@@ -224,8 +252,14 @@ ORDER BY g`, from, to)
 // deferred_message and deferred_key, by sequential and index scans.
 func readRows(t *testing.T, tx pgx.Tx) map[string]int64 {
 	t.Helper()
-	rows, err := tx.Query(t.Context(), `SELECT relname, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
+	return countsByName(t, tx, `SELECT relname, coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0)
 		FROM pg_stat_xact_user_tables WHERE relname IN ('deferred_message', 'deferred_key')`)
+}
+
+// countsByName runs a query returning (name, count) rows and maps them.
+func countsByName(t *testing.T, q querier, sql string, args ...any) map[string]int64 {
+	t.Helper()
+	rows, err := q.Query(t.Context(), sql, args...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -303,6 +337,21 @@ func TestAnalyzeIfStale(t *testing.T) {
 	}{
 		{"drained, analyzed, then flooded", func(t *testing.T, pool *pgxpool.Pool) { staleState(t, pool, 5_000, 1) }, 1000, 2},
 		{"flooded, but below the minimum", func(t *testing.T, pool *pgxpool.Pool) { staleState(t, pool, 5_000, 1) }, 10_000, 0},
+		{"drained, vacuumed to nothing, then flooded", func(t *testing.T, pool *pgxpool.Pool) {
+			staleStateAfter(t, pool, 5_000, 1, "VACUUM deferred_message, deferred_key")
+			// The state autovacuum leaves: no pages, and indexes that keep
+			// theirs but count no tuples.
+			var pages, pkeyPages int32
+			var pkeyTuples float32
+			if err := pool.QueryRow(t.Context(), `SELECT t.relpages, i.relpages, i.reltuples FROM pg_class t, pg_class i
+				WHERE t.relname = 'deferred_message' AND i.relname = 'deferred_message_pkey'`).Scan(&pages, &pkeyPages, &pkeyTuples); err != nil {
+				t.Fatal(err)
+			}
+			if pages != 0 || pkeyPages == 0 || pkeyTuples != 0 {
+				t.Fatalf("after the VACUUM: deferred_message relpages %d, its primary key relpages %d reltuples %v; want 0, > 0, 0",
+					pages, pkeyPages, pkeyTuples)
+			}
+		}, 1000, 2},
 		{"never analyzed: the planner follows the size", func(t *testing.T, pool *pgxpool.Pool) {
 			conn, err := pool.Acquire(t.Context())
 			if err != nil {
@@ -333,12 +382,16 @@ FROM generate_series(1, 5000) AS g`)
 			if c.want == 0 {
 				return
 			}
-			var est float64
-			if err := db.Pool.QueryRow(t.Context(), "SELECT reltuples FROM pg_class WHERE relname = 'deferred_key'").Scan(&est); err != nil {
-				t.Fatal(err)
-			}
-			if est < 4_000 {
-				t.Errorf("deferred_key estimated at %v rows after the analyze, holds 5,000", est)
+			// The tables and their indexes: an index counted empty makes a
+			// whole scan of it look free.
+			for _, rel := range []string{"deferred_key", "deferred_key_business_key", "deferred_message", "deferred_message_pkey"} {
+				var est float64
+				if err := db.Pool.QueryRow(t.Context(), "SELECT reltuples FROM pg_class WHERE relname = $1", rel).Scan(&est); err != nil {
+					t.Fatal(err)
+				}
+				if est < 4_000 {
+					t.Errorf("%s estimated at %v rows after the analyze, holds 5,000", rel, est)
+				}
 			}
 			again, err := keylock.AnalyzeIfStale(t.Context(), db.Pool, c.minRows)
 			if err != nil {
@@ -348,6 +401,188 @@ FROM generate_series(1, 5000) AS g`)
 				t.Errorf("analyzed %v again with fresh statistics", again)
 			}
 		})
+	}
+}
+
+// Finalize finds its messages by the primary key whatever the statistics
+// say. Its state test (pending) implies the predicate of the partial index
+// deferred_message_key_order; with statistics taken while the queue was
+// nearly empty, the planner once costed a scan of that whole index at next
+// to nothing and ANDed it with the primary key's probes, reading every
+// pending message's entry and page per finalize (dispatch_delete.sql). The
+// plans of both finalize statements that find messages by id, custom and
+// generic, on the stale state before AnalyzeIfStale runs, must not name it.
+func TestFinalizeFindsMessagesByPrimaryKey(t *testing.T) {
+	const rows, batch = 20_000, 500
+	ctx := t.Context()
+	db := pgtest.NewDB(t)
+	staleState(t, db.Pool, rows, 1)
+	var ids []int64
+	if err := db.Pool.QueryRow(ctx, "SELECT array_agg(id ORDER BY id) FROM (SELECT id FROM deferred_message ORDER BY id LIMIT $1) s",
+		batch).Scan(&ids); err != nil {
+		t.Fatal(err)
+	}
+	partitions, offsets := make([]int32, batch), make([]int64, batch)
+	reasons := make([]string, batch)
+	for i := range offsets {
+		offsets[i] = int64(i)
+		reasons[i] = "test"
+	}
+	for _, c := range []struct {
+		file string
+		args []any
+	}{
+		{"dispatch_delete.sql", []any{ids, partitions, offsets}},
+		{"dispatch_park.sql", []any{ids, reasons}},
+	} {
+		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {
+			t.Run(c.file+"/"+mode, func(t *testing.T) {
+				tx, err := db.Pool.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer tx.Rollback(context.WithoutCancel(ctx))
+				mustExec(t, tx, "SET LOCAL plan_cache_mode = "+mode)
+				rows, err := tx.Query(ctx, "EXPLAIN "+statementSQL(t, c.file), c.args...)
+				if err != nil {
+					t.Fatal(err)
+				}
+				plan, err := pgx.CollectRows(rows, pgx.RowTo[string])
+				if err != nil {
+					t.Fatal(err)
+				}
+				text := strings.Join(plan, "\n")
+				if strings.Contains(text, "deferred_message_key_order") || !strings.Contains(text, "deferred_message_pkey") {
+					t.Errorf("%s finds its %d ids among %d rows with stale statistics by:\n%s\nwant deferred_message_pkey alone",
+						c.file, batch, rows, text)
+				}
+			})
+		}
+	}
+}
+
+// Unordered messages (no business key) and their heads are found by id
+// whatever the statistics say, like finalize's messages (above). Written
+// plainly, the state test of deferred_key_refresh's unordered branch implies
+// the predicate of deferred_message_key_order, whose first column is the
+// business key, and "business_key IS NULL" on deferred_key is a condition on
+// deferred_key_business_key: with stale statistics the planner ANDed in a
+// scan of every unordered entry of either index. Each statement below, run
+// for a batch of unordered ids on the stale state, may read only the batch's
+// entries of those indexes, counted in pg_stat_user_indexes. Before
+// migration 0014 the refresh read 40,000 entries of the first (20,000 per
+// statement) and the release 20,000 of the second.
+func TestUnorderedHeadsAreFoundById(t *testing.T) {
+	for _, drained := range []string{"ANALYZE", "VACUUM"} {
+		t.Run(drained, func(t *testing.T) {
+			t.Parallel()
+			unorderedByIdAfter(t, drained+" deferred_message, deferred_key")
+		})
+	}
+}
+
+// unorderedByIdAfter is TestUnorderedHeadsAreFoundById on tables drained
+// and then analyzed or vacuumed (drained).
+func unorderedByIdAfter(t *testing.T, drained string) {
+	const rows, batch = 20_000, 500
+	ctx := t.Context()
+	db := pgtest.NewDB(t)
+	staleStateAfter(t, db.Pool, rows, 0, drained)
+	conn, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	mustExec(t, conn, "SET stats_fetch_consistency = none")
+	indexes := []string{"deferred_message_key_order", "deferred_key_business_key"}
+	// The entries read so far, once this backend's counts are sent (at the
+	// end of the statement after the forced flush is asked for).
+	entriesRead := func() map[string]int64 {
+		t.Helper()
+		mustExec(t, conn, "SELECT pg_stat_force_next_flush()")
+		return countsByName(t, conn, `SELECT indexrelname::text, idx_tup_read FROM pg_stat_user_indexes
+			WHERE indexrelname = ANY ($1)`, indexes)
+	}
+	var ids []int64
+	if err := conn.QueryRow(ctx, "SELECT array_agg(id ORDER BY id) FROM (SELECT id FROM deferred_message ORDER BY id LIMIT $1) s",
+		batch).Scan(&ids); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		run  func(tx pgx.Tx) error
+	}{
+		// The messages still pending: their heads are read and kept.
+		{"refresh", func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT deferred_key_refresh('{}', $1)", ids)
+			return err
+		}},
+		// Finalize's way: the messages deleted, the trigger refreshes
+		// (and removes) their heads, the heads are released.
+		{"delete", func(tx pgx.Tx) error {
+			return queries.DispatchDelete(ctx, tx, queries.DispatchDeleteParams{IDs: ids})
+		}},
+		{"release", func(tx pgx.Tx) error {
+			return queries.DispatchReleaseUnordered(ctx, tx, queries.DispatchReleaseUnorderedParams{Heads: ids,
+				Owner: "stale-stats", BackoffBase: time.Second, BackoffMax: time.Minute})
+		}},
+	} {
+		before := entriesRead()
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.run(tx); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		after := entriesRead()
+		for _, index := range indexes {
+			if read := after[index] - before[index]; read > 2*batch {
+				t.Errorf("%s: %d unordered messages among %d with stale statistics read %d entries of %s, want at most %d",
+					c.name, batch, rows, read, index, 2*batch)
+			}
+		}
+	}
+}
+
+// A queue refilling after a VACUUM truncated it is analyzed before the
+// statistics count its rows: a backend sends its counts at most once a
+// second, and until the analyze every plan made meanwhile treats the table
+// as empty. Its pages, all new since the VACUUM, count it at once.
+func TestAnalyzeIfStaleCountsATruncatedTableByItsPages(t *testing.T) {
+	ctx := t.Context()
+	db := pgtest.NewDB(t)
+	staleStateAfter(t, db.Pool, 0, 1, "VACUUM deferred_message, deferred_key")
+	conn, err := db.Pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	// A backend's first transaction sends its counts; the next ones within
+	// a second keep theirs.
+	mustExec(t, conn, "SELECT pg_stat_force_next_flush()")
+	mustExec(t, conn, "SELECT 1")
+	mustExec(t, conn, `
+INSERT INTO deferred_message (source_topic, source_partition, source_offset, business_key, target_topic,
+    next_run_at, attempt, key, value, header_keys, header_values)
+SELECT 'refill', 0, g, 'r-' || g, 'stale.retry', now(), 0, '\x00', convert_to(repeat('x', 100), 'UTF8'), '{}', '{}'
+FROM generate_series(1, 5000) AS g`)
+	var live int64
+	if err := db.Pool.QueryRow(ctx, "SELECT n_live_tup FROM pg_stat_user_tables WHERE relname = 'deferred_message'").Scan(&live); err != nil {
+		t.Fatal(err)
+	}
+	if live >= 1000 {
+		t.Skipf("the statistics counted the refill already (%d rows): the insert took over a second", live)
+	}
+	analyzed, err := keylock.AnalyzeIfStale(ctx, db.Pool, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(analyzed, "deferred_message") {
+		t.Errorf("analyzed %v with 5,000 rows in a truncated deferred_message the statistics counted at %d, want it analyzed", analyzed, live)
 	}
 }
 

@@ -219,9 +219,12 @@ const (
 // statistics fell far behind (keylock.AnalyzeIfStale), once they hold
 // analyzeMinRows rows: below that, even a plan that walks the table per key
 // stays cheap. Not from the heartbeat: an ANALYZE of a large queue can take
-// seconds, and a late heartbeat gets a live process's loops reaped.
+// seconds, and a late heartbeat gets a live process's loops reaped. Every
+// second, because until the analyze a refilling queue runs on plans made
+// for an empty one (docs/design.md section 14); the check reads two rows
+// of statistics.
 const (
-	analyzeEvery   = 2 * time.Second
+	analyzeEvery   = time.Second
 	analyzeMinRows = 1000
 )
 

@@ -74,7 +74,9 @@ WITH due AS MATERIALIZED (
         SELECT m.id, m.seq, m.target_topic, m.next_run_at, m.attempt, m.redrive_count, m.key, m.value,
                m.header_keys, m.header_values, m.group_id, 1
         FROM deferred_message m
-        WHERE c.business_key IS NULL AND m.id = c.head_id AND m.state = 'pending' AND m.next_run_at <= now()
+        -- IS TRUE: by the primary key, never by a walk of the partial
+        -- deferred_message_key_order (see dispatch_delete.sql).
+        WHERE c.business_key IS NULL AND m.id = c.head_id AND (m.state = 'pending') IS TRUE AND m.next_run_at <= now()
     ) m ON true
 )
 -- Past the budget, a key's first row stays, emptied, so that the key comes

@@ -50,18 +50,26 @@
 -- the statistics say. internal/keylock's
 -- TestStaleStatisticsKeepWorkProportionalToBatch checks it.
 --
--- plan_cache_mode: PL/pgSQL keeps each statement's plan for the life of the
--- connection, and after a few calls settles on a generic plan made without
--- the actual arrays. A generic plan made while deferred_key was small can
--- join it by a full scan, and keep doing so at a million keys (seen in the
--- benchmark: a finalize taking seconds). Planning each call with the real
--- arguments costs well under a millisecond per statement, once per batch,
--- not per message. (Migration 0002 set it with ALTER FUNCTION; it is part of
--- the definition here, so that re-applying this file keeps it.)
+-- plan_cache_mode = auto: PL/pgSQL keeps each statement's plan for the
+-- life of the connection, and after five calls uses a generic plan (made
+-- without the actual arrays) when it costs no more than the custom ones
+-- did. Until migration 0015 this function forced a custom plan per call,
+-- as the trigger functions still do: a generic plan of an earlier version
+-- joined deferred_key by a full scan and kept doing so at a million keys
+-- (docs/benchmarks.md, "What the numbers say"). Every statement now names
+-- its rows by arrays that an index takes directly (above), so a generic
+-- plan reads in proportion to the batch whatever the statistics said when
+-- it was made (TestStaleStatisticsKeepWorkProportionalToBatch runs every
+-- step with this function forced to generic plans, and to custom ones);
+-- and planning the head update on every call cost three times what
+-- running it did at the 20-50 messages a round holds at 5,000 msgs/s.
+-- Set here rather than left to the caller: the trigger functions that
+-- call it force custom plans for their own statements, and a function's
+-- SET would otherwise hold inside this one too.
 
 CREATE OR REPLACE FUNCTION deferred_key_refresh(keys text[], unordered_ids bigint[]) RETURNS void
 LANGUAGE plpgsql
-SET plan_cache_mode = force_custom_plan
+SET plan_cache_mode = auto
 AS $$
 DECLARE
     earliest timestamptz;
@@ -126,14 +134,22 @@ BEGIN
     END IF;
 
     -- Unordered messages hold no key, so parking one simply removes its head.
+    -- Their rows and heads are found by id (the primary key,
+    -- deferred_key_head_id), whatever the statistics say (migration 0014):
+    -- "(m.state = 'pending') IS TRUE" selects the same rows as "m.state =
+    -- 'pending'" (state is NOT NULL) without implying the predicate of
+    -- deferred_message_key_order, and "(d.business_key IS NULL) IS TRUE" the
+    -- same heads as "d.business_key IS NULL" without being a condition on
+    -- deferred_key_business_key. Written plainly, stale statistics made the
+    -- planner AND in a scan of every unordered entry of either index.
     IF cardinality(unordered_ids) > 0 THEN
         -- An array rather than NOT EXISTS: the anti-join was planned as a
         -- walk of deferred_message per head.
         DELETE FROM deferred_key d
-        WHERE d.business_key IS NULL AND d.head_id = ANY (unordered_ids)
+        WHERE (d.business_key IS NULL) IS TRUE AND d.head_id = ANY (unordered_ids)
           AND d.head_id <> ALL (ARRAY(
               SELECT m.id FROM deferred_message m
-              WHERE m.id = ANY (unordered_ids) AND m.state = 'pending' AND m.business_key IS NULL));
+              WHERE m.id = ANY (unordered_ids) AND (m.state = 'pending') IS TRUE AND m.business_key IS NULL));
 
         WITH cur AS (
             SELECT m.id, m.seq, m.next_run_at, m.target_topic,
@@ -142,12 +158,12 @@ BEGIN
                                    WHERE c.target_topic = m.target_topic AND (c.paused OR c.rate_limit IS NOT NULL))
                        AS throttled
             FROM deferred_message m
-            WHERE m.id = ANY (unordered_ids) AND m.state = 'pending' AND m.business_key IS NULL
+            WHERE m.id = ANY (unordered_ids) AND (m.state = 'pending') IS TRUE AND m.business_key IS NULL
         ), moved AS (
             UPDATE deferred_key d
             SET head_seq = m.seq, next_run_at = m.next_run_at, head_target = m.target_topic, throttled = m.throttled
             FROM cur m
-            WHERE d.business_key IS NULL AND d.head_id = ANY (unordered_ids) AND d.head_id = m.id
+            WHERE (d.business_key IS NULL) IS TRUE AND d.head_id = ANY (unordered_ids) AND d.head_id = m.id
               AND (d.head_seq, d.next_run_at, d.head_target, d.throttled)
                   IS DISTINCT FROM (m.seq, m.next_run_at, m.target_topic, m.throttled)
             RETURNING d.next_run_at, d.leased_until
@@ -156,7 +172,7 @@ BEGIN
             SELECT NULL, m.id, m.seq, m.next_run_at, m.target_topic, m.throttled
             FROM cur m
             WHERE NOT EXISTS (SELECT 1 FROM deferred_key d
-                              WHERE d.business_key IS NULL AND d.head_id = ANY (unordered_ids) AND d.head_id = m.id)
+                              WHERE (d.business_key IS NULL) IS TRUE AND d.head_id = ANY (unordered_ids) AND d.head_id = m.id)
             RETURNING next_run_at, leased_until
         )
         SELECT min(next_run_at) INTO earliest_unordered

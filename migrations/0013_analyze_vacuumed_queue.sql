@@ -1,0 +1,19 @@
+-- The queue tables are analyzed when they refill after a VACUUM emptied
+-- and truncated them, not only after an ANALYZE recorded them nearly
+-- empty.
+--
+-- Autovacuum typically vacuums deferred_message and deferred_key right
+-- after a drain, when they hold nothing: it truncates them to 0 pages and
+-- records 0 tuples for every index, whose pages stay. deferred_queue_analyze
+-- skipped a table of 0 pages, so when the queue refilled the planner kept
+-- costing a whole index scan at nothing: finalize's delete read every entry
+-- of deferred_message_key_order instead of probing the primary key, about
+-- a second per statement at 5,000 messages a second on the machine of
+-- docs/benchmarks.md ("A vacuumed queue"), until autovacuum analyzed the
+-- table up to a minute later.
+--
+-- Changes sql/schema/functions/deferred_queue_analyze.sql: such a table
+-- counts as estimated at 0 rows, and its rows are counted from its pages
+-- as well as from the statistics (which lag by up to a second), so it is
+-- analyzed once it holds more than the minimum (1,000 rows). The service
+-- now calls it every second instead of every two.

@@ -1,0 +1,21 @@
+-- Unordered messages (no business key) and their heads are found by id
+-- whatever the statistics say.
+--
+-- Changes sql/schema/functions/deferred_key_refresh.sql. Its unordered
+-- branch tested "m.state = 'pending'", which implies the predicate of the
+-- partial index deferred_message_key_order, whose first column is the
+-- business key, so that "m.business_key IS NULL" became a condition on it;
+-- and it found heads with "d.business_key IS NULL AND d.head_id = ANY
+-- (...)", a condition on deferred_key_business_key, where every unordered
+-- head has its entry. With statistics taken while the queue was nearly
+-- empty, or after a VACUUM truncated it, the planner ANDed a scan of every
+-- unordered entry of those indexes with the probes by id, per statement and
+-- in the head update per row: for 500 unordered messages among 20,000, one
+-- refresh read 40,000 entries of the first and up to 10,040,000 of the
+-- second (internal/keylock's TestUnorderedHeadsAreFoundById). It ran on
+-- every finalize, park or operator change of unordered messages. The tests
+-- are now written "(m.state = 'pending') IS TRUE" and "(d.business_key IS
+-- NULL) IS TRUE": the same rows (state is NOT NULL), no implication, no
+-- index condition. (sql/queries/dispatch_release_unordered.sql, finalize's
+-- release of unordered heads, had the second pattern and is fixed with
+-- it.)

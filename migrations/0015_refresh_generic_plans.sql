@@ -1,0 +1,14 @@
+-- The head refresh may use generic plans.
+--
+-- Changes sql/schema/functions/deferred_key_refresh.sql: plan_cache_mode
+-- auto instead of force_custom_plan. At the small batches of a moderate
+-- load (20-50 messages a round at 5,000 msgs/s) planning its head update
+-- on every call cost about three times what running it did: 47 of the
+-- statement's 66 µs per message, a fifth of all the planning Postgres did
+-- for the service (docs/benchmarks.md, "Generic plans for the head
+-- refresh"). Its statements name their rows by arrays that an index takes
+-- directly, so a generic plan reads in proportion to the batch whatever
+-- the statistics said when it was made; internal/keylock's
+-- TestStaleStatisticsKeepWorkProportionalToBatch runs every step with the
+-- function forced to generic plans. The function is not one grants.sql
+-- changes: nothing to run again after this migration.
