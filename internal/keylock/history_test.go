@@ -55,14 +55,19 @@ func TestFoldedDeferral(t *testing.T) {
 		}
 		return id
 	}
-	// deliver claims the due heads and finalizes them as published (at
-	// partition 2, offset 40 + i) or, for the ids in park, parked.
-	deliver := func(t *testing.T, park ...int64) {
+	// deliverWith claims the due heads, runs meanwhile (if not nil) as a
+	// consumer would between the publish and the finalize, and finalizes
+	// them as published (at partition 2, offset 40 + i) or, for the ids in
+	// park, parked.
+	deliverWith := func(t *testing.T, meanwhile func(*testing.T), park ...int64) {
 		t.Helper()
 		l := newLocker(t, db.Pool, "history", time.Minute, 10)
 		claims, err := l.Claim(ctx, 10)
 		if err != nil {
 			t.Fatal(err)
+		}
+		if meanwhile != nil {
+			meanwhile(t)
 		}
 		var out keylock.Outcome
 		for _, c := range claims {
@@ -78,6 +83,10 @@ func TestFoldedDeferral(t *testing.T) {
 		if err := l.Finalize(ctx, claims, out); err != nil {
 			t.Fatal(err)
 		}
+	}
+	deliver := func(t *testing.T, park ...int64) {
+		t.Helper()
+		deliverWith(t, nil, park...)
 	}
 	// operator runs sql as an operator named alice.
 	operator := func(t *testing.T, sql string, args ...any) {
@@ -210,6 +219,24 @@ func TestFoldedDeferral(t *testing.T) {
 			rows: 3,
 		},
 		{
+			// A consumer reads the record, fails it again and re-defers it,
+			// and ingest stores that, all before the finalize of the
+			// delivery begins. The delivery is recorded at its claim, so
+			// it still comes before the deferral it caused. (Caught by
+			// TestPolicyWalksLadderToParkingLotAndBack in CI: recorded at
+			// the finalize, published@1 came after deferred@1.)
+			name: "a re-deferral stored before its origin's delivery is finalized: the delivery first",
+			run: func(t *testing.T) (int64, time.Time) {
+				first, at := insert(t, "k-fast-consumer", -time.Second, 0, false)
+				deliverWith(t, func(t *testing.T) {
+					insert(t, "k-fast-consumer", time.Hour, first, false)
+				})
+				return first, at
+			},
+			want: []string{"m1 deferred 0 Timeout -", "m1 published 1 - -", "m2 deferred 1 Timeout -"},
+			rows: 1,
+		},
+		{
 			name: "a re-deferral delivered: its folded row in its origin's lineage",
 			run: func(t *testing.T) (int64, time.Time) {
 				first, at := insert(t, "k-redelivered", -time.Second, 0, false)
@@ -297,4 +324,64 @@ func str(s *string) string {
 		return "-"
 	}
 	return *s
+}
+
+// TestDeliveryRecordedAtItsClaim: both claims (the main one and a
+// rate-limited target's) say when they ran, and the finalize records each
+// delivery at its own claim's time, even when one finalize holds messages
+// of both, claimed in separate transactions.
+func TestDeliveryRecordedAtItsClaim(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, target_topic, next_run_at) VALUES
+		('free-key', 'free', now() - interval '1 second'), ('lim-key', 'lim', now() - interval '1 second')`)
+	mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, rate_limit) VALUES ('lim', 100)`)
+	l := newLocker(t, db.Pool, "recorded", time.Minute, 10)
+
+	var claims []keylock.Claim
+	for _, claim := range []struct {
+		name string
+		run  func() ([]keylock.Claim, error)
+	}{
+		{"main", func() ([]keylock.Claim, error) { return l.Claim(ctx, 10) }},
+		{"rate-limited target", func() ([]keylock.Claim, error) {
+			return l.ClaimTarget(ctx, 10, "lim", keylock.DefaultMaxBytes)
+		}},
+	} {
+		got, err := claim.run()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(got) != 1 || len(got[0].Messages) != 1 {
+			t.Fatalf("%s claim: %d claims, want one with one message", claim.name, len(got))
+		}
+		if got[0].Messages[0].ClaimedAt.IsZero() {
+			t.Errorf("%s claim: ClaimedAt is zero", claim.name)
+		}
+		claims = append(claims, got...)
+	}
+	// The finalize's now() is later than either claim's.
+	time.Sleep(20 * time.Millisecond)
+	var out keylock.Outcome
+	for _, c := range claims {
+		out.Published = append(out.Published, c.Messages[0].ID)
+		out.Placements = append(out.Placements, keylock.Placement{Partition: 0, Offset: int64(len(out.Published))})
+	}
+	if err := l.Finalize(ctx, claims, out); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range claims {
+		m := c.Messages[0]
+		var at time.Time
+		if err := db.Pool.QueryRow(ctx, `SELECT recorded_at FROM deferred_attempt
+			WHERE message_id = $1 AND event = 'published'`, m.ID).Scan(&at); err != nil {
+			t.Fatalf("the delivery of %s: %v", c.BusinessKey, err)
+		}
+		if !at.Equal(m.ClaimedAt) {
+			t.Errorf("the delivery of %s is recorded at %v, want its claim's time %v", c.BusinessKey, at, m.ClaimedAt)
+		}
+	}
+	if claims[0].Messages[0].ClaimedAt.Equal(claims[1].Messages[0].ClaimedAt) {
+		t.Errorf("both claims report %v: the check above cannot tell them apart", claims[0].Messages[0].ClaimedAt)
+	}
 }

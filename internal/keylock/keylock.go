@@ -59,6 +59,10 @@ type Message struct {
 	// none: once published, the key stays blocked for the group until it
 	// committed past the record (Outcome.Placements).
 	Group string
+	// ClaimedAt is when the claim that read it ran, on the database's
+	// clock. Finalize records its delivery at it: before the publish, so
+	// before anything a consumer does with the record.
+	ClaimedAt time.Time
 }
 
 // Claim is one leased key with its due messages in order.
@@ -253,7 +257,7 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only 
 		}
 		m := Message{ID: *r.ID, Seq: *r.Seq, Target: *r.Target, NextRunAt: *r.NextRunAt, Attempt: *r.Attempt,
 			RedriveCount: *r.RedriveCount, Key: r.Key, Value: r.Value, Headers: make([]Header, len(r.HeaderKeys)),
-			BusinessKey: c.BusinessKey}
+			BusinessKey: c.BusinessKey, ClaimedAt: r.ClaimedAt}
 		if r.Group != nil {
 			m.Group = *r.Group
 		}
@@ -377,6 +381,7 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 				p.Partitions[i], p.Offsets[i] = pl.Partition, pl.Offset
 			}
 		}
+		p.ClaimedAt = claimedAt(claims, out.Published)
 		queries.QueueDispatchDelete(b, p)
 	}
 	if len(parkIDs) > 0 {
@@ -398,6 +403,28 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 			len(claims), len(out.Published), len(parkIDs), err)
 	}
 	return nil
+}
+
+// claimedAt returns, for each of ids, when the claim among claims that read
+// it ran; nil if one of them is in none of claims (a caller's mistake: the
+// deliveries are then recorded at the finalize, as before claims said when
+// they ran).
+func claimedAt(claims []Claim, ids []int64) []time.Time {
+	at := make(map[int64]time.Time, len(ids))
+	for _, c := range claims {
+		for _, m := range c.Messages {
+			at[m.ID] = m.ClaimedAt
+		}
+	}
+	out := make([]time.Time, len(ids))
+	for i, id := range ids {
+		t, ok := at[id]
+		if !ok || t.IsZero() {
+			return nil
+		}
+		out[i] = t
+	}
+	return out
 }
 
 // NextDue returns how long until the earliest head that nobody holds is due

@@ -423,16 +423,18 @@ func TestFinalizeFindsMessagesByPrimaryKey(t *testing.T) {
 		t.Fatal(err)
 	}
 	partitions, offsets := make([]int32, batch), make([]int64, batch)
+	claimed := make([]time.Time, batch)
 	reasons := make([]string, batch)
 	for i := range offsets {
 		offsets[i] = int64(i)
+		claimed[i] = time.Now()
 		reasons[i] = "test"
 	}
 	for _, c := range []struct {
 		file string
 		args []any
 	}{
-		{"dispatch_delete.sql", []any{ids, partitions, offsets}},
+		{"dispatch_delete.sql", []any{ids, partitions, offsets, claimed}},
 		{"dispatch_park.sql", []any{ids, reasons}},
 	} {
 		for _, mode := range []string{"force_custom_plan", "force_generic_plan"} {

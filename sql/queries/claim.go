@@ -47,6 +47,7 @@ func (p DispatchClaimTargetParams) args() []any {
 type DispatchClaimRow struct {
 	BusinessKey  *string    `db:"business_key"` // nil: an unordered head
 	HeadID       int64      `db:"head_id"`
+	ClaimedAt    time.Time  `db:"claimed_at"` // the claim statement's now()
 	ID           *int64     `db:"id"`
 	Seq          *int64     `db:"seq"`
 	Target       *string    `db:"target_topic"`
@@ -61,7 +62,7 @@ type DispatchClaimRow struct {
 }
 
 func (r *DispatchClaimRow) dest() []any {
-	return []any{&r.BusinessKey, &r.HeadID, &r.ID, &r.Seq, &r.Target, &r.NextRunAt, &r.Attempt, &r.RedriveCount,
+	return []any{&r.BusinessKey, &r.HeadID, &r.ClaimedAt, &r.ID, &r.Seq, &r.Target, &r.NextRunAt, &r.Attempt, &r.RedriveCount,
 		&r.Key, &r.Value, &r.HeaderKeys, &r.HeaderValues, &r.Group}
 }
 
@@ -124,9 +125,15 @@ type DispatchDeleteParams struct {
 	// in-flight row is recorded then).
 	Partitions []int32 // $2
 	Offsets    []int64 // $3
+	// ClaimedAt is, one per id, when the claim that read it ran (its
+	// claimed_at): the 'published' event is recorded at it. Nil: the
+	// finalize's now().
+	ClaimedAt []time.Time // $4
 }
 
-func (p DispatchDeleteParams) args() []any { return []any{p.IDs, p.Partitions, p.Offsets} }
+func (p DispatchDeleteParams) args() []any {
+	return []any{p.IDs, p.Partitions, p.Offsets, p.ClaimedAt}
+}
 
 // QueueDispatchDelete adds dispatch_delete.sql to b.
 func QueueDispatchDelete(b *pgx.Batch, p DispatchDeleteParams) {

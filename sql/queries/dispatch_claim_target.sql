@@ -81,7 +81,15 @@ WITH due AS MATERIALIZED (
 )
 -- Past the budget, a key's first row stays, emptied, so that the key comes
 -- back (nth is NULL on the row of a key with no message at all).
-SELECT r.business_key, r.head_id,
+--
+-- claimed_at is this statement's now(), the database's clock at the claim:
+-- the finalize records each delivery's 'published' event at it, not at its
+-- own now(). A consumer can read the record, re-defer it and ingest store
+-- the re-deferral before the finalize starts; recorded at the finalize,
+-- the delivery came after the deferral it caused in the history. Every
+-- consequence of the publish starts after this claim committed, on the same
+-- clock (docs/design.md section 3.5).
+SELECT r.business_key, r.head_id, now() AS claimed_at,
        CASE WHEN r.bytes_before < $5::bigint THEN r.id END AS id,
        CASE WHEN r.bytes_before < $5::bigint THEN r.seq END AS seq,
        CASE WHEN r.bytes_before < $5::bigint THEN r.target_topic END AS target_topic,

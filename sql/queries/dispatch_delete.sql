@@ -1,13 +1,19 @@
 -- Finalize, step 4: the broker acknowledged these messages; forget them, and
 -- record where each went. $1 are the messages' ids; $2 and $3, one per id,
 -- the partition and offset of its target the broker put it at (both NULL
--- where unknown).
+-- where unknown); $4, one per id, when the claim that read it ran (its
+-- claimed_at; NULL where unknown: now()).
 --
 -- A message still pending is deleted (one an operator parked meanwhile
 -- stays parked), and for each:
 --   - a 'published' event in deferred_attempt, in its lineage, with the
 --     attempt the record carries (the stored one plus one) and where it
---     went, so that a message's story ends with its delivery. A message
+--     went, so that a message's story ends with its delivery. It is
+--     recorded at the claim ($4), not at this statement's now(): the
+--     record went out after the claim, and a consumer may have read it,
+--     re-deferred it and ingest stored that before this finalize began,
+--     so only a time before the publish keeps the delivery ahead of what
+--     it caused when the history is read by recorded_at. A message
 --     with no history yet (stored pending and left alone since, nearly
 --     all: migration 0012) has its deferral folded into that one row:
 --     deferred_at (its created_at) and the error it was deferred for
@@ -42,12 +48,13 @@ WITH gone AS (
 ), placed AS (
     SELECT g.id, g.business_key, g.seq, g.group_id, g.target_topic, g.attempt, g.next_run_at,
            g.origin_id, g.created_at, g.error_class, g.error_message,
-           p.partition, p.record_offset
+           p.partition, p.record_offset, p.claimed_at
     FROM gone g
-    LEFT JOIN unnest($1::bigint[], $2::int[], $3::bigint[]) AS p (id, partition, record_offset) ON p.id = g.id
+    LEFT JOIN unnest($1::bigint[], $2::int[], $3::bigint[], $4::timestamptz[])
+        AS p (id, partition, record_offset, claimed_at) ON p.id = g.id
 ), history AS (
     INSERT INTO deferred_attempt (lineage_id, message_id, event, attempt, target_topic, next_run_at,
-                                  partition, record_offset, deferred_at, error_class, error_message)
+                                  partition, record_offset, deferred_at, error_class, error_message, recorded_at)
     -- One probe of deferred_attempt_message per message: its first event
     -- names its lineage; a message without one folds its deferral in.
     SELECT coalesce(f.lineage_id,
@@ -55,7 +62,8 @@ WITH gone AS (
            p.id, 'published', p.attempt + 1, p.target_topic, p.next_run_at, p.partition, p.record_offset,
            CASE WHEN f.lineage_id IS NULL THEN p.created_at END,
            CASE WHEN f.lineage_id IS NULL THEN p.error_class END,
-           CASE WHEN f.lineage_id IS NULL THEN p.error_message END
+           CASE WHEN f.lineage_id IS NULL THEN p.error_message END,
+           coalesce(p.claimed_at, now())
     FROM placed p
     LEFT JOIN LATERAL (SELECT a.lineage_id FROM deferred_attempt a
                        WHERE a.message_id = p.id ORDER BY a.message_id, a.id LIMIT 1) f ON true
