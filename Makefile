@@ -59,7 +59,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzClassifier$$' -fuzztime $(FUZZTIME) ./internal/policy
 	$(GO) test -run '^$$' -fuzz '^FuzzConfig$$' -fuzztime $(FUZZTIME) ./internal/config
 
-## bench: measure the service against the DB ceiling, the broker and River (BENCH_QUICK=1: under 3 minutes; see docs/benchmarks.md)
+## bench: measure the service against the DB ceiling, the broker and River (BENCH_QUICK=1: about 4 minutes; see docs/benchmarks.md)
 bench:
 	@[ -n "$$DATABASE_URL" ] || scripts/install-postgres.sh
 	$(GO) run ./cmd/bench

@@ -26,6 +26,9 @@ import (
 const (
 	onlyBare       = "bare"
 	onlyPartitions = "partitions"
+	// onlyLateness is the own-key scenario with its lateness phases, the
+	// second after a VACUUM of the emptied queue tables.
+	onlyLateness = "lateness"
 )
 
 // widePartitions is the partition count of the own-key scenario's second run
@@ -260,7 +263,7 @@ func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
 
 	// The service's records exactly: same keys, values and headers.
 	n, warm := b.cfg.N, b.cfg.Warmup
-	if res.e2e, err = b.endToEnd(qctx, lp, w, "bare queue", "bare", "w", "e"); err != nil {
+	if res.e2e, err = b.endToEnd(qctx, lp, w, db, "bare queue", "bare", "w", "e"); err != nil {
 		return res, err
 	}
 	if err := stop(); err != nil {
@@ -494,19 +497,23 @@ func (b *bench) runBareContender(ctx context.Context, res *results) error {
 	return nil
 }
 
-// runOnlyDurability is BENCH_ONLY=bare and BENCH_ONLY=partitions: the
-// service's own-key scenario (without the lateness phase), then the bare
-// queue or the same scenario on widePartitions partitions.
+// runOnlyDurability is BENCH_ONLY=bare, BENCH_ONLY=partitions and
+// BENCH_ONLY=lateness: the service's own-key scenario (with the lateness
+// phases only for lateness), then the bare queue or the same scenario on
+// widePartitions partitions.
 func (b *bench) runOnlyDurability(ctx context.Context, res *results) error {
 	b.say("scheduler: %s, %d partitions", ownKeys.label, b.cfg.Partitions)
-	sc, err := b.runScheduler(ctx, ownKeys, 0, false)
+	sc, err := b.runScheduler(ctx, ownKeys, 0, b.cfg.Only == onlyLateness)
 	if err != nil {
 		return fmt.Errorf("scheduler, %s: %w", ownKeys.label, err)
 	}
 	b.say("  ingest %.0f/s, dispatch %.0f/s, end to end %.0f/s", sc.ingest.perSecond(), sc.dispatch.perSecond(), sc.e2e.perSecond())
 	res.scenarios = append(res.scenarios, sc)
-	if b.cfg.Only == onlyPartitions {
+	switch b.cfg.Only {
+	case onlyPartitions:
 		return b.runWide(ctx, res)
+	case onlyLateness:
+		return nil
 	}
 	return b.runBareContender(ctx, res)
 }
@@ -523,6 +530,10 @@ func (r *results) summarizeDurability(s *summary) {
 		s.set("bare_pg_cpu_us_per_msg", perMsg(r.bare.e2e.cpu.postgres))
 		s.set("bare_go_cpu_us_per_msg", perMsg(r.bare.e2e.cpu.bench))
 		s.set("bare_duplicates", float64(r.bare.check.duplicates))
+		if own.e2e.stmts != nil && r.bare.e2e.stmts != nil {
+			s.set("e2e_pg_exec_us_per_msg", own.e2e.perMsg(topLevel(own.e2e.stmts)))
+			s.set("bare_pg_exec_us_per_msg", r.bare.e2e.perMsg(topLevel(r.bare.e2e.stmts)))
+		}
 	}
 	if r.wide != nil {
 		s.set("e2e_p64_msgs_per_s", r.wide.e2e.perSecond())
@@ -591,6 +602,10 @@ func (r *results) writeDurability(w io.Writer, v map[string]float64) {
 		fmt.Fprintf(w, "each in one transaction: delete up to %d due rows (FOR UPDATE SKIP LOCKED) returning them, publish, commit.\n", claimKeys)
 		fmt.Fprintf(w, "%s of %s messages delivered, %s duplicates.\n", group(float64(r.bare.check.delivered)),
 			group(float64(r.bare.check.expected)), group(float64(r.bare.check.duplicates)))
+		writeStatements(w, "WHERE POSTGRES'S TIME GOES (end to end, own keys: each statement's executor time per message, pg_stat_statements;\n"+
+			"wall time, lock waits and time off the CPU included. \"inside\" are statements run by triggers and functions:\n"+
+			"their time is already in the statement that ran them)",
+			[]stmtPhase{{"scheduler", own.e2e.n, own.e2e.stmts}, {"bare queue", r.bare.e2e.n, r.bare.e2e.stmts}})
 	}
 }
 
@@ -605,6 +620,7 @@ func (r *results) summarizeOnlyDurability(s *summary) {
 	s.set("e2e_cpu_us_per_msg", perMsg(own.e2e.cpu.service+own.e2e.cpu.postgres+own.e2e.cpu.bench))
 	s.set("e2e_pg_cpu_us_per_msg", perMsg(own.e2e.cpu.postgres))
 	s.set("e2e_svc_cpu_us_per_msg", perMsg(own.e2e.cpu.service))
+	own.summarizeLateness(s)
 	r.summarizeDurability(s)
 	var delivered, expected, outOfOrder, dupes int
 	checked := r.scenarios
@@ -651,6 +667,7 @@ func (r *results) writeOnlyDurability(w io.Writer, s *summary) {
 	row("scheduler", "end to end", own.shape.name, 0, own.e2e)
 	r.durabilityRows(row)
 	tw.Flush()
+	writeLateness(w, cfg, []lateRow{{"scheduler", own.late}, {"scheduler, after a VACUUM", own.lateVacuumed}})
 	r.writeDurability(w, s.vals)
 	v := s.vals
 	fmt.Fprintf(w, "\nCHECKS: %s of %s messages of the service delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",

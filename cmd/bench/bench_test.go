@@ -152,9 +152,10 @@ func TestSmokeConsole(t *testing.T) {
 	}
 }
 
-// BENCH_ONLY=bare and BENCH_ONLY=partitions in the smallest mode: each runs
-// the service's own-key scenario and its own part, and reports their
-// figures, with every message of the service delivered in per-key order.
+// BENCH_ONLY=bare, BENCH_ONLY=partitions and BENCH_ONLY=lateness in the
+// smallest mode: each runs the service's own-key scenario and its own part,
+// and reports their figures, with every message of the service delivered
+// in per-key order.
 func TestSmokeOnlyDurability(t *testing.T) {
 	for _, tc := range []struct {
 		only    string
@@ -163,6 +164,7 @@ func TestSmokeOnlyDurability(t *testing.T) {
 	}{
 		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare"}, "BARE DURABLE QUEUE"},
 		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS"},
+		{onlyLateness, []string{"e2e_msgs_per_s", "p99_lateness_ms", "p99_lateness_vacuumed_ms", "max_lateness_vacuumed_ms"}, "after a VACUUM"},
 	} {
 		t.Run(tc.only, func(t *testing.T) {
 			_, report, vals := runSmoke(t, tc.only)
@@ -176,6 +178,24 @@ func TestSmokeOnlyDurability(t *testing.T) {
 			}
 			if !strings.Contains(report, tc.section) {
 				t.Errorf("report lacks %q", tc.section)
+			}
+			// The second lateness phase runs on what autovacuum leaves
+			// after a drain: the table truncated to no pages.
+			if pages, ok := vals["vacuumed_pages"]; tc.only == onlyLateness && (!ok || pages != 0) {
+				t.Errorf("vacuumed_pages = %v (reported: %v), want 0: the VACUUM did not truncate deferred_message", pages, ok)
+			}
+			// Both lateness phases are split by autovacuum: every record
+			// falls on one side, so one side has a p99.
+			if tc.only == onlyLateness {
+				for _, phase := range []string{"lateness", "lateness_vacuumed"} {
+					_, counted := vals[phase+"_autovacuum_msgs"]
+					if !counted || vals["p99_"+phase+"_autovacuum_ms"]+vals["p99_"+phase+"_no_autovacuum_ms"] <= 0 {
+						t.Errorf("%s: no split by autovacuum in RESULT (%s_autovacuum_msgs reported: %v)", phase, phase, counted)
+					}
+				}
+				if !strings.Contains(report, "Autovacuum in these phases") {
+					t.Errorf("report lacks the lateness phases' autovacuum lines")
+				}
 			}
 			if t.Failed() {
 				t.Logf("report:\n%s", report)
@@ -313,6 +333,7 @@ func TestConfigFromEnv(t *testing.T) {
 		{"only the console", []string{"BENCH_ONLY=console", "BENCH_CONSOLE_ROWS=5000"}, "full", 100_000, ""},
 		{"only the bare queue", []string{"BENCH_QUICK=1", "BENCH_ONLY=bare"}, "quick", 20_000, ""},
 		{"only the partitions", []string{"BENCH_SMOKE=1", "BENCH_ONLY=partitions"}, "smoke", 300, ""},
+		{"only the lateness", []string{"BENCH_QUICK=1", "BENCH_ONLY=lateness"}, "quick", 20_000, ""},
 		{"only what", []string{"BENCH_ONLY=river"}, "", 0, "BENCH_ONLY"},
 		{"console rows too few", []string{"BENCH_CONSOLE_ROWS=10"}, "", 0, "BENCH_CONSOLE_ROWS"},
 		{"service settings", []string{"BENCH_SERVICE_ENV=DISPATCH_BATCH_KEYS=250  INGEST_BATCH_LINGER=5ms"}, "full", 100_000, ""},

@@ -43,6 +43,7 @@ type postgres struct {
 	tmpl     string
 	svcTmpl  string // the scheduler binary's own template; "" means tmpl
 	locale   string // of the databases not cloned from the bench's templates; "" is the server's
+	stmts    bool   // the server tracks statements (pg_stat_statements): statements.go
 
 	mu      sync.Mutex
 	created []string
@@ -71,6 +72,10 @@ func startPostgres(ctx context.Context, dbURL, locale string, explain bool, say 
 			return nil, err
 		}
 		p.adminURL = p.cluster.URL("postgres")
+		if err := enableStatements(ctx, p); err != nil {
+			// The report says so: probeStatements fails below.
+			say("  load pg_stat_statements: %v", err)
+		}
 	}
 	if p.admin, err = pgxpool.New(ctx, p.adminURL); err != nil {
 		return nil, fmt.Errorf("connect to the bench's PostgreSQL: %w", err)
@@ -95,6 +100,11 @@ func startPostgres(ctx context.Context, dbURL, locale string, explain bool, say 
 	}
 	if err := p.admin.Ping(ctx); err != nil {
 		return nil, fmt.Errorf("connect to the bench's PostgreSQL: %w", err)
+	}
+	if err := p.probeStatements(ctx); err != nil {
+		say("  no per-statement times (%v): the report leaves out where Postgres's time goes", err)
+	} else {
+		p.stmts = true
 	}
 	p.tmpl = p.prefix + "template"
 	if err := p.create(ctx, p.tmpl, ""); err != nil {

@@ -113,6 +113,37 @@ func (v vacuumSeen) runningAt(t time.Time) bool {
 	return i > 0 && v.running[i-1]
 }
 
+// summary names what the workers vacuumed and for how long
+// ("VACUUM public.deferred_message 1.2s, ..."), "none" if none was seen.
+func (v vacuumSeen) summary() string {
+	if len(v.busy) == 0 {
+		return "none"
+	}
+	names := make([]string, 0, len(v.busy))
+	for q := range v.busy {
+		names = append(names, q)
+	}
+	sort.Strings(names)
+	parts := make([]string, len(names))
+	for i, q := range names {
+		parts[i] = fmt.Sprintf("%s %.1fs", strings.TrimPrefix(q, "autovacuum: "), v.busy[q].Seconds())
+	}
+	return strings.Join(parts, ", ")
+}
+
+// split returns ls, the lateness of ds in the same order, split by whether
+// a worker ran at each delivery's due time.
+func (v vacuumSeen) split(ds []delivery, ls []time.Duration) (under, clear []time.Duration) {
+	for i, d := range ds {
+		if v.runningAt(d.scheduledAt) {
+			under = append(under, ls[i])
+		} else {
+			clear = append(clear, ls[i])
+		}
+	}
+	return under, clear
+}
+
 // runFair measures fairness between targets: a backlog of FairBacklog
 // messages of one target (own keys) all become due at the same moment, and
 // from then on a quiet target receives FairRate records a second, due on
@@ -291,7 +322,10 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 		if err != nil {
 			return res, err
 		}
-		var alone, during, after, vacuuming, clear []time.Duration
+		var alone, during, after []time.Duration
+		// The records due from the UPDATE on, split by autovacuum below.
+		var since []delivery
+		var sinceLs []time.Duration
 		for i, d := range ds {
 			switch {
 			case d.scheduledAt.Before(t0):
@@ -302,12 +336,9 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 			default:
 				after = append(after, ls[i])
 			}
-			if vacuum.runningAt(d.scheduledAt) {
-				vacuuming = append(vacuuming, ls[i])
-			} else {
-				clear = append(clear, ls[i])
-			}
+			since, sinceLs = append(since, d), append(sinceLs, ls[i])
 		}
+		vacuuming, clear := vacuum.split(since, sinceLs)
 		of := func(ls []time.Duration, d time.Duration) latencies {
 			return latencies{offered: res.rate, sent: len(ls), sendFor: d,
 				p50: percentile(ls, 0.50), p99: percentile(ls, 0.99), max: percentile(ls, 1)}
@@ -504,16 +535,7 @@ func (f fairResult) writeVacuum(w io.Writer) {
 		fmt.Fprintf(w, "Autovacuum: no worker seen in this database from the UPDATE's commit on (sampled every %v).\n", vacuumSample)
 		return
 	}
-	names := make([]string, 0, len(f.vacuum.busy))
-	for q := range f.vacuum.busy {
-		names = append(names, q)
-	}
-	sort.Strings(names)
-	parts := make([]string, len(names))
-	for i, q := range names {
-		parts[i] = fmt.Sprintf("%s %.1fs", strings.TrimPrefix(q, "autovacuum: "), f.vacuum.busy[q].Seconds())
-	}
-	fmt.Fprintf(w, "Autovacuum from the UPDATE's commit on (sampled every %v): %s.\n", vacuumSample, strings.Join(parts, ", "))
+	fmt.Fprintf(w, "Autovacuum from the UPDATE's commit on (sampled every %v): %s.\n", vacuumSample, f.vacuum.summary())
 	fmt.Fprintf(w, "Quiet records due from then on, with a worker running at their due time: %d, p50 %.1fms, p99 %.1fms;\n",
 		f.underVacuum.sent, ms(f.underVacuum.p50), ms(f.underVacuum.p99))
 	fmt.Fprintf(w, "with none: %d, p50 %.1fms, p99 %.1fms.\n", f.clear.sent, ms(f.clear.p50), ms(f.clear.p99))

@@ -93,3 +93,61 @@ func TestVacuumRunningAt(t *testing.T) {
 		}
 	}
 }
+
+// TestLatenessSplitByAutovacuum: a lateness phase's records are split by
+// the sample before their due time, their percentiles taken apart, and the
+// workers' time summed by what they vacuumed.
+func TestLatenessSplitByAutovacuum(t *testing.T) {
+	t0 := time.Date(2026, 11, 27, 15, 0, 0, 0, time.UTC)
+	seen := vacuumSeen{
+		at:      []time.Time{t0, t0.Add(50 * time.Millisecond), t0.Add(100 * time.Millisecond)},
+		running: []bool{false, true, false},
+		busy: map[string]time.Duration{
+			"autovacuum: VACUUM public.deferred_message": 50 * time.Millisecond,
+			"autovacuum: ANALYZE public.deferred_key":    100 * time.Millisecond,
+		},
+	}
+	due := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	ds := []delivery{
+		{scheduledAt: due(10)}, {scheduledAt: due(60)}, {scheduledAt: due(70)}, {scheduledAt: due(120)},
+	}
+	ls := []time.Duration{5 * time.Millisecond, 300 * time.Millisecond, 200 * time.Millisecond, 7 * time.Millisecond}
+
+	for _, tc := range []struct {
+		name                    string
+		watched                 bool
+		under, clear            int
+		underP99, clearP99, p99 time.Duration
+	}{
+		{"watched", true, 2, 2, 300 * time.Millisecond, 7 * time.Millisecond, 300 * time.Millisecond},
+		{"not watched", false, 0, 0, 0, 0, 300 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := &latencies{offered: 5000, sent: len(ds)}
+			if tc.watched {
+				l.autovacuum = &autovacuumSplit{seen: seen}
+			}
+			l.measured(ds, ls)
+			if l.p99 != tc.p99 || l.max != 300*time.Millisecond || l.p50 != 7*time.Millisecond {
+				t.Errorf("p50/p99/max = %v/%v/%v, want 7ms/%v/300ms", l.p50, l.p99, l.max, tc.p99)
+			}
+			if !tc.watched {
+				if l.autovacuum != nil {
+					t.Errorf("autovacuum split made for a phase not watched")
+				}
+				return
+			}
+			a := l.autovacuum
+			if a.under.sent != tc.under || a.clear.sent != tc.clear || a.under.p99 != tc.underP99 || a.clear.p99 != tc.clearP99 {
+				t.Errorf("with a worker %d records, p99 %v; without %d, p99 %v; want %d, %v; %d, %v",
+					a.under.sent, a.under.p99, a.clear.sent, a.clear.p99, tc.under, tc.underP99, tc.clear, tc.clearP99)
+			}
+		})
+	}
+	if got, want := seen.summary(), "ANALYZE public.deferred_key 0.1s, VACUUM public.deferred_message 0.1s"; got != want {
+		t.Errorf("summary = %q, want %q", got, want)
+	}
+	if got := (vacuumSeen{}).summary(); got != "none" {
+		t.Errorf("summary of no worker = %q, want none", got)
+	}
+}

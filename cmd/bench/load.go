@@ -24,8 +24,10 @@ const (
 	topicDispatch = "bench.dispatch"
 	topicE2E      = "bench.e2e"
 	topicLate     = "bench.late"
-	topicBroker   = "bench.broker"
-	topicBacklog  = "bench.far" // the far-future rows' target; never due
+	// topicLateVacuumed is the lateness phase's after a VACUUM.
+	topicLateVacuumed = "bench.late.vacuumed"
+	topicBroker       = "bench.broker"
+	topicBacklog      = "bench.far" // the far-future rows' target; never due
 )
 
 // shape is how messages map to business keys.
@@ -515,8 +517,9 @@ func lateness(ds []delivery) ([]time.Duration, error) {
 // times the service's: Warmup records due now (keys warmKeys) through to
 // topicWarmup, then, under the CPU profile named profile, N records due now
 // (keys keys) produced as fast as the producer goes, timed from the first
-// send to the last arrival on topicE2E. what names the phase in errors.
-func (b *bench) endToEnd(ctx context.Context, lp *loadProducer, w *watcher, what, profile, warmKeys, keys string) (rate, error) {
+// send to the last arrival on topicE2E, with the statements it ran in db.
+// what names the phase in errors.
+func (b *bench) endToEnd(ctx context.Context, lp *loadProducer, w *watcher, db *database, what, profile, warmKeys, keys string) (rate, error) {
 	n, warm := b.cfg.N, b.cfg.Warmup
 	if _, _, err := produceAll(ctx, lp, warm, func(i int) *sarama.ProducerMessage {
 		return deferRecord(ownKeys.key(warmKeys, i), i, topicWarmup, when{})
@@ -527,6 +530,10 @@ func (b *bench) endToEnd(ctx context.Context, lp *loadProducer, w *watcher, what
 		return rate{}, err
 	}
 	stopProfile, err := b.profile(profile)
+	if err != nil {
+		return rate{}, err
+	}
+	stmts0, err := b.pg.statements(ctx, db.name)
 	if err != nil {
 		return rate{}, err
 	}
@@ -547,5 +554,10 @@ func (b *bench) endToEnd(ctx context.Context, lp *loadProducer, w *watcher, what
 	if err != nil {
 		return rate{}, err
 	}
-	return rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: b.cpu(0).sub(cpu0)}, nil
+	cpu := b.cpu(0).sub(cpu0)
+	stmts1, err := b.pg.statements(ctx, db.name)
+	if err != nil {
+		return rate{}, err
+	}
+	return rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: cpu, stmts: stmts1.since(stmts0, b.labels)}, nil
 }

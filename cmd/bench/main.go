@@ -26,7 +26,7 @@
 // per message of the end-to-end phase, against what the throughput target
 // leaves. It prints a table for people and, as its last line, one line starting with
 // "RESULT " of key=value pairs for machines. `make bench` runs it;
-// BENCH_QUICK=1 makes a smaller run (under three minutes on two cores),
+// BENCH_QUICK=1 makes a smaller run (about four minutes on two cores),
 // BENCH_SMOKE=1 a tiny one that only checks the program works (the test runs
 // that). BENCH_ONLY=gate runs only the key gate scenario (gate.go: what
 // deferclient's gate costs a consumer, the key-state query's latency, how
@@ -36,7 +36,9 @@
 // messages, p50/p95/max each against a 250 ms p95 budget);
 // BENCH_ONLY=bare the service's own-key scenario and the bare durable queue
 // (bare.go: what durability alone costs), BENCH_ONLY=partitions the
-// own-key scenario on 4 and on 64 partitions. BENCH_ONLY=fair runs only the
+// own-key scenario on 4 and on 64 partitions, BENCH_ONLY=lateness the
+// own-key scenario with its lateness phases (the second on queue tables a
+// VACUUM emptied, as autovacuum leaves them). BENCH_ONLY=fair runs only the
 // fairness scenario (fair.go: a quiet target's lateness while another
 // target's backlog of a million messages drains; the full run has it too),
 // BENCH_ONLY=scale only the scaling curves (scale.go: end-to-end
@@ -231,11 +233,11 @@ func configFromEnv(environ []string) (config, error) {
 		cfg.ConsoleRows = n
 	}
 	switch v := env["BENCH_ONLY"]; v {
-	case "", onlyGate, onlyConsole, onlyBare, onlyPartitions, onlyFair, onlyScale:
+	case "", onlyGate, onlyConsole, onlyBare, onlyPartitions, onlyLateness, onlyFair, onlyScale:
 		cfg.Only = v
 	default:
-		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q, %q, %q, %q, %q, %q or nothing", v, onlyGate, onlyConsole, onlyBare, onlyPartitions,
-			onlyFair, onlyScale)
+		return config{}, fmt.Errorf("BENCH_ONLY=%q: want %q, %q, %q, %q, %q, %q, %q or nothing", v, onlyGate, onlyConsole, onlyBare, onlyPartitions,
+			onlyLateness, onlyFair, onlyScale)
 	}
 	for _, kv := range strings.Fields(env["BENCH_SERVICE_ENV"]) {
 		if k, _, ok := strings.Cut(kv, "="); !ok || k == "" {

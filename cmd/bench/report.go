@@ -28,6 +28,8 @@ type bench struct {
 	pg    *postgres
 	pmPID int    // Postgres's postmaster, 0 if not on this machine
 	bin   string // the scheduler binary
+	// labels names the statements of pg_stat_statements (statements.go).
+	labels *stmtLabeler
 }
 
 func (b *bench) say(format string, args ...any) {
@@ -94,6 +96,9 @@ type results struct {
 // log.
 func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 	b := &bench{cfg: cfg, log: log, start: time.Now()}
+	if b.labels, err = newStmtLabeler(); err != nil {
+		return err
+	}
 	res := &results{cfg: cfg}
 	b.say("mode %s: %d messages per phase, backlog %d rows, lateness %d msgs/s for %v", cfg.Mode, cfg.N, cfg.Backlog, cfg.LateRate, cfg.LateFor)
 	loadStart := loadAverage()
@@ -183,7 +188,7 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		}
 		finish()
 		return nil
-	case onlyBare, onlyPartitions:
+	case onlyBare, onlyPartitions, onlyLateness:
 		if err := b.runOnlyDurability(ctx, res); err != nil {
 			return err
 		}
@@ -385,7 +390,7 @@ func (r *results) summary() *summary {
 		s.set("cpu_speed_end", r.speedEnd)
 		return s
 	}
-	if r.cfg.Only == onlyBare || r.cfg.Only == onlyPartitions {
+	if r.cfg.Only == onlyBare || r.cfg.Only == onlyPartitions || r.cfg.Only == onlyLateness {
 		r.summarizeOnlyDurability(s)
 		return s
 	}
@@ -426,15 +431,13 @@ func (r *results) summary() *summary {
 	s.set("ingest_msgs_per_s", own.ingest.perSecond())
 	s.set("ceiling_msgs_per_s", r.ceiling.pipeline.perSecond())
 	s.set("river_msgs_per_s", r.river.e2e.perSecond())
-	s.set("p99_lateness_ms", ms(own.late.p99))
 	s.set("hotkey_msgs_per_s", hot.e2e.perSecond())
 	s.set("backlog1m_dispatch_msgs_per_s", backlog.dispatch.perSecond())
 	s.set("rss_mb", float64(hwm)/(1<<20))
 	s.set("large_rss_mb", float64(r.large.hwm)/(1<<20))
 	s.set("large_ingest_mb_per_s", float64(r.large.bytes)/(1<<20)/r.large.ingest.wall.Seconds())
 	s.set("large_msgs", float64(r.large.n))
-	s.set("p50_lateness_ms", ms(own.late.p50))
-	s.set("max_lateness_ms", ms(own.late.max))
+	own.summarizeLateness(s)
 	s.set("hotkey_dispatch_msgs_per_s", hot.dispatch.perSecond())
 	s.set("singlekey_msgs_per_s", single.e2e.perSecond())
 	s.set("singlekey_dispatch_msgs_per_s", single.dispatch.perSecond())
@@ -488,7 +491,7 @@ func (s *summary) resultLine() string {
 func (r *results) write(w io.Writer) {
 	s := r.summary()
 	cfg := r.cfg
-	if cfg.Only == onlyBare || cfg.Only == onlyPartitions {
+	if cfg.Only == onlyBare || cfg.Only == onlyPartitions || cfg.Only == onlyLateness {
 		r.writeOnlyDurability(w, s)
 		return
 	}
@@ -572,18 +575,7 @@ func (r *results) write(w io.Writer) {
 	}
 
 	own := r.scenarios[0]
-	fmt.Fprintf(w, "\nLATENESS (publish time minus due time: record timestamp set by the publisher minus defer.scheduled-at;\n")
-	fmt.Fprintf(w, "%s msgs/s offered for %v, each due %v after it was produced, own keys)\n", group(float64(cfg.LateRate)), cfg.LateFor, cfg.LateLead)
-	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "contender\tmsgs\toffered/s\tp50\tp99\tmax\t")
-	for _, l := range []struct {
-		who string
-		l   *latencies
-	}{{"scheduler", own.late}, {"River", r.river.late}} {
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%.1fms\t%.1fms\t%.1fms\t\n", l.who, group(float64(l.l.sent)),
-			group(float64(l.l.sent)/l.l.sendFor.Seconds()), ms(l.l.p50), ms(l.l.p99), ms(l.l.max))
-	}
-	tw.Flush()
+	writeLateness(w, cfg, []lateRow{{"scheduler", own.late}, {"scheduler, after a VACUUM", own.lateVacuumed}, {"River", r.river.late}})
 
 	fmt.Fprintln(w, "\nMEMORY of the scheduler process (/proc/PID/status, read at the end of each scenario)")
 	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
@@ -615,6 +607,10 @@ func (r *results) write(w io.Writer) {
 	target("end to end / River per message", fmt.Sprintf("%.1fx", v["e2e_vs_river"]), ">= 5x", v["e2e_vs_river"] >= 5)
 	target("end to end / \"1,000 msgs/s\"", fmt.Sprintf("%.1fx", v["e2e_msgs_per_s"]/1000), "> 10x", v["e2e_msgs_per_s"] > 10_000)
 	target("p99 lateness at "+group(float64(cfg.LateRate))+" msgs/s", fmt.Sprintf("%.1f ms", v["p99_lateness_ms"]), "<= 100 ms", v["p99_lateness_ms"] <= 100)
+	if _, ok := v["p99_lateness_vacuumed_ms"]; ok {
+		target("the same after a VACUUM emptied the queue", fmt.Sprintf("%.1f ms", v["p99_lateness_vacuumed_ms"]), "<= 100 ms",
+			v["p99_lateness_vacuumed_ms"] <= 100)
+	}
 	target("1,000 hot keys / own keys (end to end)", fmt.Sprintf("%.2f", v["hotkey_vs_own"]), ">= 0.5", v["hotkey_vs_own"] >= 0.5)
 	target("one single key, end to end", group(v["singlekey_msgs_per_s"])+" msgs/s", ">= 2,000", v["singlekey_msgs_per_s"] >= 2000)
 	target(fmt.Sprintf("dispatch with %s far-future rows / without", group(v["backlog_rows"])), fmt.Sprintf("%.2f", v["backlog1m_vs_empty_dispatch"]),
@@ -651,4 +647,91 @@ func targetRow(tw io.Writer) func(what, got, want string, ok bool) {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", what, got, want, verdict)
 	}
+}
+
+// lateRow is one contender's lateness phase; l is nil when not measured.
+type lateRow struct {
+	who string
+	l   *latencies
+}
+
+// writeLateness writes the LATENESS section, of the rows measured.
+func writeLateness(w io.Writer, cfg config, rows []lateRow) {
+	if !slices.ContainsFunc(rows, func(r lateRow) bool { return r.l != nil }) {
+		return
+	}
+	fmt.Fprintf(w, "\nLATENESS (publish time minus due time: record timestamp set by the publisher minus defer.scheduled-at;\n")
+	fmt.Fprintf(w, "%s msgs/s offered for %v, each due %v after it was produced, own keys. \"After a VACUUM\": the same load again\n",
+		group(float64(cfg.LateRate)), cfg.LateFor, cfg.LateLead)
+	fmt.Fprintf(w, "once VACUUM emptied and truncated the queue tables, as autovacuum does after a drain)\n")
+	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "contender\tmsgs\toffered/s\tp50\tp99\tmax\tCPU µs/msg: Postgres\tservice\t")
+	var stmts []stmtPhase
+	for _, r := range rows {
+		if r.l == nil {
+			continue
+		}
+		pg, svc := "-", "-"
+		if r.l.cpu.postgres > 0 {
+			pg, svc = fmt.Sprintf("%.0f", r.l.perMsg(r.l.cpu.postgres)), fmt.Sprintf("%.0f", r.l.perMsg(r.l.cpu.service))
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%.1fms\t%.1fms\t%.1fms\t%s\t%s\t\n", r.who, group(float64(r.l.sent)),
+			group(float64(r.l.sent)/r.l.sendFor.Seconds()), ms(r.l.p50), ms(r.l.p99), ms(r.l.max), pg, svc)
+		if r.l.stmts != nil {
+			stmts = append(stmts, stmtPhase{r.who, int64(r.l.sent), r.l.stmts})
+		}
+	}
+	tw.Flush()
+	header := false
+	for _, r := range rows {
+		if r.l == nil || r.l.autovacuum == nil {
+			continue
+		}
+		if !header {
+			fmt.Fprintf(w, "Autovacuum in these phases (workers sampled every %v; records split by whether one ran at their due time):\n", vacuumSample)
+			header = true
+		}
+		a := r.l.autovacuum
+		fmt.Fprintf(w, "  %s: %s; with a worker: %s records, p50 %.1fms, p99 %.1fms; with none: %s, p50 %.1fms, p99 %.1fms\n",
+			r.who, a.seen.summary(), group(float64(a.under.sent)), ms(a.under.p50), ms(a.under.p99),
+			group(float64(a.clear.sent)), ms(a.clear.p50), ms(a.clear.p99))
+	}
+	// The full run has the end-to-end phase's table beside the bare queue;
+	// BENCH_ONLY=lateness has these.
+	if cfg.Only == onlyLateness {
+		writeStatements(w, "WHERE POSTGRES'S TIME GOES in the lateness phases (each statement's executor time per message, pg_stat_statements;\n"+
+			"wall time, waits included; \"inside\": run by triggers and functions, already in the statement that ran them)", stmts)
+	}
+}
+
+// summarizeLateness sets the RESULT keys of sc's lateness phases, those
+// measured.
+func (sc scenario) summarizeLateness(s *summary) {
+	if sc.late != nil {
+		s.set("p99_lateness_ms", ms(sc.late.p99))
+		s.set("p50_lateness_ms", ms(sc.late.p50))
+		s.set("max_lateness_ms", ms(sc.late.max))
+		s.set("lateness_pg_cpu_us_per_msg", sc.late.perMsg(sc.late.cpu.postgres))
+		sc.late.summarizeAutovacuum(s, "lateness")
+	}
+	if sc.lateVacuumed != nil {
+		s.set("p99_lateness_vacuumed_ms", ms(sc.lateVacuumed.p99))
+		s.set("p50_lateness_vacuumed_ms", ms(sc.lateVacuumed.p50))
+		s.set("max_lateness_vacuumed_ms", ms(sc.lateVacuumed.max))
+		s.set("vacuumed_pages", float64(sc.vacuumedPages))
+		s.set("lateness_vacuumed_pg_cpu_us_per_msg", sc.lateVacuumed.perMsg(sc.lateVacuumed.cpu.postgres))
+		sc.lateVacuumed.summarizeAutovacuum(s, "lateness_vacuumed")
+	}
+}
+
+// summarizeAutovacuum sets the RESULT keys of l's split by autovacuum, if
+// watched: <phase>_autovacuum_msgs (records due while a worker ran),
+// p99_<phase>_autovacuum_ms and p99_<phase>_no_autovacuum_ms.
+func (l *latencies) summarizeAutovacuum(s *summary, phase string) {
+	if l.autovacuum == nil {
+		return
+	}
+	s.set(phase+"_autovacuum_msgs", float64(l.autovacuum.under.sent))
+	s.set("p99_"+phase+"_autovacuum_ms", ms(l.autovacuum.under.p99))
+	s.set("p99_"+phase+"_no_autovacuum_ms", ms(l.autovacuum.clear.p99))
 }

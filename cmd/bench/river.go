@@ -251,7 +251,7 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 	defer w.close()
 
 	n, warm := b.cfg.N, b.cfg.Warmup
-	if res.e2e, err = b.endToEnd(ctx, lp, w, "River", "river", "rw", "re"); err != nil {
+	if res.e2e, err = b.endToEnd(ctx, lp, w, db, "River", "river", "rw", "re"); err != nil {
 		return res, err
 	}
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -16,6 +17,14 @@ type rate struct {
 	n    int64
 	wall time.Duration
 	cpu  cpuTimes // CPU spent meanwhile, by part
+	// stmts is what Postgres's statements cost meanwhile (nil unless
+	// the server tracks them: statements.go).
+	stmts []stmtCost
+}
+
+// perMsg is d per message of the phase, in µs.
+func (r rate) perMsg(d time.Duration) float64 {
+	return float64(d.Microseconds()) / float64(max(r.n, 1))
 }
 
 func (r rate) perSecond() float64 {
@@ -32,6 +41,46 @@ type latencies struct {
 	sendFor  time.Duration
 	p50, p99 time.Duration
 	max      time.Duration
+	// cpu and stmts are what the phase cost, from its first send to its
+	// last arrival (zero and nil where not measured).
+	cpu   cpuTimes
+	stmts []stmtCost
+	// autovacuum is what autovacuum workers did in the phase's database
+	// from its first send to its last arrival, and the phase's records
+	// split by whether one ran at their due time (nil where not watched).
+	autovacuum *autovacuumSplit
+}
+
+// autovacuumSplit is a lateness phase's autovacuum, sampled, and its
+// records' lateness with a worker running at their due time and without.
+type autovacuumSplit struct {
+	seen         vacuumSeen
+	under, clear latencies
+}
+
+// setPercentiles sets l's p50, p99 and max from ls.
+func (l *latencies) setPercentiles(ls []time.Duration) {
+	l.p50, l.p99, l.max = percentile(ls, 0.50), percentile(ls, 0.99), percentile(ls, 1)
+}
+
+// measured sets l's percentiles from the lateness ls of its deliveries ds
+// and, if its autovacuum was watched, splits them by it.
+func (l *latencies) measured(ds []delivery, ls []time.Duration) {
+	l.setPercentiles(ls)
+	if l.autovacuum == nil {
+		return
+	}
+	under, clear := l.autovacuum.seen.split(ds, ls)
+	a := l.autovacuum
+	a.under = latencies{offered: l.offered, sent: len(under)}
+	a.under.setPercentiles(under)
+	a.clear = latencies{offered: l.offered, sent: len(clear)}
+	a.clear.setPercentiles(clear)
+}
+
+// perMsg is d per message sent in the phase, in µs.
+func (l *latencies) perMsg(d time.Duration) float64 {
+	return float64(d.Microseconds()) / float64(max(l.sent, 1))
 }
 
 // scenario is one run of the service: a key shape, a backlog, and what was
@@ -44,8 +93,13 @@ type scenario struct {
 	dispatch rate
 	e2e      rate
 	late     *latencies // nil unless measured
-	hwm, rss int64      // the service's peak and final resident set
-	checks   []check
+	// lateVacuumed is the lateness phase again after VACUUM of the emptied
+	// queue tables (nil unless measured); vacuumedPages is what the VACUUM
+	// left of deferred_message (0: truncated, as autovacuum does).
+	lateVacuumed  *latencies
+	vacuumedPages int32
+	hwm, rss      int64 // the service's peak and final resident set
+	checks        []check
 	// partitions of every topic of the scenario.
 	partitions int32
 }
@@ -64,7 +118,10 @@ type scenario struct {
 //  4. lateness (when late): records due LateLead after their send, offered
 //     at LateRate for LateFor; each one's publish time (the record
 //     timestamp, set by the scheduler's producer) minus its due time
-//     (defer.scheduled-at).
+//     (defer.scheduled-at);
+//  5. lateness after a VACUUM (when late, without far-future rows): the
+//     queue tables, emptied by the phases before, are vacuumed as
+//     autovacuum does after a drain, and phase 4 runs again on them.
 //
 // Every phase's target topic is then read back: every message must be
 // there, in per-key order. Every topic has the run's partitions.
@@ -95,7 +152,7 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 		sc.fill = time.Since(start)
 	}
 
-	kc, addr, err := startKafka(partitions, deferTopic, topicWarmup, topicDispatch, topicE2E, topicLate)
+	kc, addr, err := startKafka(partitions, deferTopic, topicWarmup, topicDispatch, topicE2E, topicLate, topicLateVacuumed)
 	if err != nil {
 		return sc, err
 	}
@@ -213,6 +270,10 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 	// 3. End to end.
 	sent := make(chan error, 1)
 	profiles = append(profiles, profiled("e2e"))
+	stmts0, err := b.pg.statements(ctx, db.name)
+	if err != nil {
+		return sc, err
+	}
 	start := time.Now()
 	go func() {
 		_, _, err := produceAll(ctx, lp, n, func(i int) *sarama.ProducerMessage {
@@ -228,22 +289,64 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 		return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	cpu3 := b.cpu(pid)
-	sc.e2e = rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: cpu3.sub(cpu2)}
+	stmts1, err := b.pg.statements(ctx, db.name)
+	if err != nil {
+		return sc, err
+	}
+	sc.e2e = rate{n: int64(n), wall: pr.doneAt.Sub(start), cpu: cpu3.sub(cpu2), stmts: stmts1.since(stmts0, b.labels)}
 
-	// 4. Lateness at a fixed offered load.
-	lateSent := 0
-	if late {
+	// 4. Lateness at a fixed offered load; then, on a database without
+	// far-future rows, the same load once more on the queue tables as
+	// autovacuum leaves them after a drain: emptied and truncated by a
+	// VACUUM, their indexes counting no tuples (docs/design.md section 14).
+	pace := func(topic, keys, what string) (*latencies, int, error) {
 		lead := b.cfg.LateLead
+		stmts0, err := b.pg.statements(ctx, db.name)
+		if err != nil {
+			return nil, 0, err
+		}
+		cpu0 := b.cpu(pid)
+		// Autovacuum runs when it likes; a phase's tail may be its. So
+		// its workers are sampled meanwhile, as in the fairness scenario.
+		stopWatch, watched := make(chan struct{}), make(chan vacuumSeen, 1)
+		go func() { watched <- watchVacuum(ctx, db, stopWatch) }()
+		endWatch := sync.OnceValue(func() vacuumSeen {
+			close(stopWatch)
+			return <-watched
+		})
+		defer endWatch()
 		start := time.Now()
-		lateSent, err = producePaced(ctx, lp, b.cfg.LateRate, b.cfg.LateFor, func(i int, now time.Time) *sarama.ProducerMessage {
-			return deferRecord(sh.key("l", i), i, topicLate, when{at: now.Add(lead)})
+		sent, err := producePaced(ctx, lp, b.cfg.LateRate, b.cfg.LateFor, func(i int, now time.Time) *sarama.ProducerMessage {
+			return deferRecord(sh.key(keys, i), i, topic, when{at: now.Add(lead)})
 		})
 		if err != nil {
+			return nil, 0, err
+		}
+		l := &latencies{offered: b.cfg.LateRate, sent: sent, sendFor: time.Since(start)}
+		if _, err := track(ctx, what, func() (int64, error) { return w.count(topic) }, 0, int64(sent), timeoutFor(sent)); err != nil {
+			return nil, 0, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+		}
+		l.autovacuum = &autovacuumSplit{seen: endWatch()}
+		l.cpu = b.cpu(pid).sub(cpu0)
+		stmts1, err := b.pg.statements(ctx, db.name)
+		if err != nil {
+			return nil, 0, err
+		}
+		l.stmts = stmts1.since(stmts0, b.labels)
+		return l, sent, nil
+	}
+	lateSent, vacuumedSent := 0, 0
+	if late {
+		if sc.late, lateSent, err = pace(topicLate, "l", "lateness phase"); err != nil {
 			return sc, err
 		}
-		sc.late = &latencies{offered: b.cfg.LateRate, sent: lateSent, sendFor: time.Since(start)}
-		if _, err := track(ctx, "lateness phase", func() (int64, error) { return w.count(topicLate) }, 0, int64(lateSent), timeoutFor(lateSent)); err != nil {
-			return sc, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+		if backlog == 0 {
+			if sc.vacuumedPages, err = vacuumQueue(ctx, db); err != nil {
+				return sc, err
+			}
+			if sc.lateVacuumed, vacuumedSent, err = pace(topicLateVacuumed, "v", "lateness phase after a VACUUM"); err != nil {
+				return sc, err
+			}
 		}
 	}
 
@@ -267,6 +370,9 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 	if late {
 		phases = append(phases, phaseTopic{topicLate, lateSent})
 	}
+	if sc.lateVacuumed != nil {
+		phases = append(phases, phaseTopic{topicLateVacuumed, vacuumedSent})
+	}
 	for _, ph := range phases {
 		ds, err := readBack(ctx, addr, ph.topic)
 		if err != nil {
@@ -277,12 +383,16 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 		if err := c.err(fmt.Sprintf("scheduler, %s, %s", sh.name, ph.topic)); err != nil {
 			return sc, err
 		}
-		if ph.topic == topicLate {
+		if ph.topic == topicLate || ph.topic == topicLateVacuumed {
 			ls, err := lateness(ds)
 			if err != nil {
 				return sc, err
 			}
-			sc.late.p50, sc.late.p99, sc.late.max = percentile(ls, 0.50), percentile(ls, 0.99), percentile(ls, 1)
+			if ph.topic == topicLate {
+				sc.late.measured(ds, ls)
+			} else {
+				sc.lateVacuumed.measured(ds, ls)
+			}
 		}
 	}
 	var left int64
@@ -294,6 +404,41 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 		return sc, fmt.Errorf("scheduler, %s: %d published rows still pending after a clean stop", sh.name, left)
 	}
 	return sc, nil
+}
+
+// vacuumQueue vacuums the queue tables, emptied by the phases before, the
+// way autovacuum does after a drain, and returns the pages deferred_message
+// has left (0 when the VACUUM truncated it; it skips the truncation if it
+// cannot take the table's lock at once).
+func vacuumQueue(ctx context.Context, db *database) (int32, error) {
+	// The last rounds' finalizes may still be committing after their
+	// messages arrived: a row left near the table's end stops the truncation.
+	left := func() (int64, error) {
+		var n int64
+		err := db.pool.QueryRow(ctx, "SELECT (SELECT count(*) FROM deferred_message) + (SELECT count(*) FROM deferred_key)").Scan(&n)
+		return n, err
+	}
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		n, err := left()
+		if err != nil {
+			return 0, fmt.Errorf("count the queue's rows before the vacuum: %w", err)
+		}
+		if n == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			return 0, fmt.Errorf("the queue still holds %d rows 30 s after the lateness phase's messages arrived", n)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if _, err := db.pool.Exec(ctx, "VACUUM deferred_message, deferred_key"); err != nil {
+		return 0, fmt.Errorf("vacuum the emptied queue tables: %w", err)
+	}
+	var pages int32
+	if err := db.pool.QueryRow(ctx, "SELECT relpages FROM pg_class WHERE oid = 'deferred_message'::regclass").Scan(&pages); err != nil {
+		return 0, fmt.Errorf("read deferred_message's pages after the vacuum: %w", err)
+	}
+	return pages, nil
 }
 
 // phaseTopic is a phase's target topic and how many messages it must hold.
