@@ -635,6 +635,59 @@ func TestRoundMessagesBoundsRounds(t *testing.T) {
 	}
 }
 
+// A round whose claim could not give back the keys the byte budget cut
+// (here a trigger the test adds refuses it) still publishes and finalizes
+// what the claim leased, and reports the error; before, the claim's keys
+// were dropped and their messages waited out the lease.
+func TestRoundPublishesWhatItClaimedWhenGivingBackFails(t *testing.T) {
+	e := dispatchtest.New(t)
+	col := e.Collect(dispatchtest.TopicA)
+	value := bytes.Repeat([]byte{'v'}, 100)
+	var rows []fixture.Message
+	for _, k := range []string{"a", "a", "b", "c"} {
+		rows = append(rows, fixture.Message{Key: fixture.Key(k), Target: dispatchtest.TopicA, RecordKey: []byte(k), Value: value})
+	}
+	e.Insert(rows...)
+	for _, q := range []string{
+		`CREATE FUNCTION refuse_release() RETURNS trigger LANGUAGE plpgsql AS $$
+			BEGIN RAISE EXCEPTION 'injected: release of key % refused', OLD.business_key; END $$`,
+		`CREATE TRIGGER refuse_release BEFORE UPDATE ON deferred_key FOR EACH ROW
+			WHEN (OLD.business_key = 'b' AND OLD.leased_by IS NOT NULL AND NEW.leased_by IS NULL)
+			EXECUTE FUNCTION refuse_release()`,
+	} {
+		if _, err := e.Pool.Exec(t.Context(), q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 101 bytes a message: within 150, a's two, and b and c are cut.
+	l, err := keylock.New(e.Pool, keylock.Config{Owner: "t1", Lease: time.Minute, PerKey: 10, MaxBytes: 150})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := dispatch.New(l, e.Producer, nil, dispatch.Config{BatchKeys: 10, PollInterval: 50 * time.Millisecond,
+		MaxBackoff: 200 * time.Millisecond, Targets: dispatchtest.AllowAll}, dispatchtest.Logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := d.Round(t.Context())
+	if err == nil || !strings.Contains(err.Error(), "injected: release of key b refused") {
+		t.Errorf("round error = %v, want the refused release", err)
+	}
+	if st.Published != 2 {
+		t.Errorf("round published %d, want a's 2", st.Published)
+	}
+	got := col.Wait(t, 2, 5*time.Second)
+	for _, m := range got {
+		dispatchtest.MustEqual(t, "record key", string(m.Key), "a")
+	}
+	dispatchtest.MustEqual(t, "messages of a left", e.Count("business_key = 'a'"), 0)
+	var keyRows int
+	if err := e.Pool.QueryRow(t.Context(), `SELECT count(*) FROM deferred_key WHERE business_key = 'a'`).Scan(&keyRows); err != nil {
+		t.Fatal(err)
+	}
+	dispatchtest.MustEqual(t, "key rows of a, released once empty", keyRows, 0)
+}
+
 // fmtIDs lists messages as key:defer.id, for failure messages.
 func fmtIDs(ms []*sarama.ConsumerMessage) string {
 	s := ""

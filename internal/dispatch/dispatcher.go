@@ -271,14 +271,18 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	d.rounds++
 	start := d.now()
 	keys, perKey := d.claimSize()
-	claims, err := d.locker.ClaimRuns(ctx, keys, perKey)
-	if err != nil {
-		return RoundStats{}, err
+	claims, claimErr := d.locker.ClaimRuns(ctx, keys, perKey)
+	if claimErr != nil && len(claims) == 0 {
+		return RoundStats{}, claimErr
 	}
+	// An error with claims (keys that came back empty were not given back):
+	// they are leased to this loop all the same, so they go out below and
+	// the error is returned after.
 	d.longRuns = slices.ContainsFunc(claims, func(c keylock.Claim) bool { return len(c.Messages) >= perKey })
 	// A failure here must not strand the keys claimed above: they are
 	// published and finalized, and the error is returned after.
 	limitedClaims, st, limitErr := d.claimLimited(ctx, d.locker.MaxBytes()-keylock.Bytes(claims))
+	claimErr = errors.Join(claimErr, limitErr)
 	claims = append(claims, limitedClaims...)
 	st.Keys = len(claims)
 	for _, c := range claims {
@@ -287,7 +291,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 		}
 	}
 	if len(claims) == 0 {
-		return st, limitErr
+		return st, claimErr
 	}
 
 	batches := make([]batch, len(claims))
@@ -434,7 +438,7 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	// the log follows the work, not the polling.
 	d.logger.Info("dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
 		"retry", st.Retry, "duration", took)
-	return st, limitErr
+	return st, claimErr
 }
 
 // limitedTargets returns the rate-limited targets, read at most once per

@@ -2,6 +2,7 @@ package keylock_test
 
 import (
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -93,5 +94,58 @@ func TestClaimByteBudget(t *testing.T) {
 			}
 			assertHeadsMatch(t, db.Pool)
 		})
+	}
+}
+
+// TestClaimKeepsItsClaimsWhenGivingBackFails: when giving back the keys the
+// byte budget cut entirely fails, the claim still returns what it leased,
+// with the error, so that the caller publishes it; dropped, those messages
+// would wait out the lease unpublished. The failure is real: a trigger the
+// test adds refuses the release of one of the cut keys.
+func TestClaimKeepsItsClaimsWhenGivingBackFails(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at, state, key, value)
+		SELECT k, s, 't', now() - interval '1 minute', 'pending', convert_to(k, 'UTF8'), decode(repeat('ab', 100), 'hex')
+		FROM (VALUES ('a', 1), ('a', 2), ('b', 3), ('c', 4)) AS v (k, s)`)
+	mustExec(t, db.Pool, `CREATE FUNCTION refuse_release() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN RAISE EXCEPTION 'injected: release of key % refused', OLD.business_key; END $$`)
+	mustExec(t, db.Pool, `CREATE TRIGGER refuse_release BEFORE UPDATE ON deferred_key FOR EACH ROW
+		WHEN (OLD.business_key = 'b' AND OLD.leased_by IS NOT NULL AND NEW.leased_by IS NULL)
+		EXECUTE FUNCTION refuse_release()`)
+
+	// 101 bytes a message: within 150, a's two (the second starts below the
+	// budget), and b and c come back empty.
+	l, err := keylock.New(db.Pool, keylock.Config{Owner: "one", Lease: time.Minute, PerKey: 10, MaxBytes: 150})
+	if err != nil {
+		t.Fatal(err)
+	}
+	claims, err := l.Claim(ctx, 10)
+	if err == nil || !strings.Contains(err.Error(), "injected: release of key b refused") {
+		t.Fatalf("claim error = %v, want the refused release", err)
+	}
+	if got, want := claimSummary(t, claims), []string{"a:1,2"}; !slices.Equal(got, want) {
+		t.Fatalf("claim returned %q with its error, want %q", got, want)
+	}
+	for _, k := range []string{"a", "b", "c"} {
+		// The failed statement gave back neither cut key; a is the caller's.
+		if l := leaseOf(t, db.Pool, k); l.By == nil || *l.By != "one" {
+			t.Errorf("key %s: %s, want leased to one", k, l)
+		}
+	}
+
+	// The caller publishes and finalizes what it got, as after any claim.
+	if err := l.Finalize(ctx, claims, keylock.Outcome{Published: []int64{claims[0].Messages[0].ID, claims[0].Messages[1].ID}}); err != nil {
+		t.Fatal(err)
+	}
+	if l := leaseOf(t, db.Pool, "a"); l.Found {
+		t.Errorf("key a after its messages were published: %s, want no key row", l)
+	}
+	var left []string
+	if err := db.Pool.QueryRow(ctx, `SELECT array_agg(business_key ORDER BY business_key) FROM deferred_message`).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"b", "c"}; !slices.Equal(left, want) {
+		t.Errorf("messages left: %q, want %q", left, want)
 	}
 }

@@ -167,8 +167,13 @@ func (l *Locker) Lease() time.Duration { return l.cfg.Lease }
 // many heads per target to read next (nextShare), which is why a Locker is
 // one dispatch loop's. Keys whose head goes to a paused or rate-limited target are left
 // alone (see ClaimTarget for the latter). A claimed key whose messages
-// vanished (an operator changed them after the head was read) is released at
-// once and not returned.
+// vanished (an operator changed them after the head was read), or that the
+// byte budget cut entirely, is released at once and not returned.
+//
+// An error may come with claims: the claim committed, and releasing the
+// keys that came back without a message failed. The claims are then leased
+// to the caller like any others and must be published and finalized; the
+// keys that were to be released wait out their lease.
 func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
 	return l.claim(ctx, maxKeys, l.cfg.PerKey, l.cfg.MaxBytes, nil)
 }
@@ -188,7 +193,8 @@ func (l *Locker) PerKey() int { return l.cfg.PerKey }
 // took one token of the target's rate limit per key it asks for (see
 // TakeTokens), and one token pays for one message. The messages come within
 // maxBytes (at least one message comes back, whatever its size); keys beyond
-// it are given back, and their tokens are the caller's to return.
+// it are given back, and their tokens are the caller's to return. As with
+// Claim, an error may come with claims, which the caller must publish.
 func (l *Locker) ClaimTarget(ctx context.Context, maxKeys int, target string, maxBytes int) ([]Claim, error) {
 	return l.claim(ctx, maxKeys, 1, maxBytes, &target)
 }
@@ -272,7 +278,10 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only 
 	}
 	if len(empty) > 0 {
 		if err := l.Finalize(ctx, empty, Outcome{}); err != nil {
-			return nil, err
+			// The claims are leased all the same: dropped here, their
+			// messages would wait out the lease unpublished.
+			return claims, fmt.Errorf("give back %d claimed keys that came back without a message (they wait out their lease): %w",
+				len(empty), err)
 		}
 	}
 	return claims, nil
