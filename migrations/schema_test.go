@@ -318,7 +318,7 @@ func TestUpgradeKeepsGrants(t *testing.T) {
 	if diff := catalogDiff(before, catalog(t, pool, false), nil); diff != "" {
 		t.Errorf("upgrading a database that grants.sql set up changed it (- before, + after):\n%s", diff)
 	}
-	if out := logs.String(); strings.Contains(out, "level=WARN") || !strings.Contains(out, "deferred_key_after_insert()") {
+	if out := logs.String(); strings.Contains(out, "level=WARN") || !strings.Contains(out, "deferred_key_after_update()") {
 		t.Errorf("want an info line naming the functions whose settings were kept, and no warning; logged:\n%s", out)
 	}
 }
@@ -326,15 +326,17 @@ func TestUpgradeKeepsGrants(t *testing.T) {
 // TestApplyKeepsGrantsOfUnchangedFunctions: on a database at migration 0002
 // set up by grants.sql, Apply keeps SECURITY DEFINER and the search_path on
 // the functions whose definitions have not changed since 0002
-// (deferred_key_after_insert), and warns, naming grants.sql, about those
-// that changed and so lost them (deferred_key_refresh, changed by 0003).
+// (deferred_key_after_update), and warns, naming grants.sql, about those
+// that changed and so lost them (deferred_key_refresh, changed by 0003, and
+// deferred_key_after_insert, changed by 0016).
 func TestApplyKeepsGrantsOfUnchangedFunctions(t *testing.T) {
 	pool := newPool(t, emptyDB(t))
 	migrateLikeOldRelease(t, pool, 2)
 	pinLikeGrants(t, pool)
 	sums := readSum(t)
-	if sums["functions/deferred_key_after_insert.sql"].version > 2 || sums["functions/deferred_key_refresh.sql"].version <= 2 {
-		t.Skip("deferred_key_after_insert changed after 0002, or deferred_key_refresh did not: pick other functions")
+	if sums["functions/deferred_key_after_update.sql"].version > 2 || sums["functions/deferred_key_refresh.sql"].version <= 2 ||
+		sums["functions/deferred_key_after_insert.sql"].version <= 2 {
+		t.Skip("deferred_key_after_update changed after 0002, or deferred_key_refresh or deferred_key_after_insert did not: pick other functions")
 	}
 	exec(t, pool, "pin deferred_key_refresh too", `ALTER FUNCTION deferred_key_refresh(text[], bigint[]) SECURITY DEFINER SET search_path = public, pg_temp`)
 
@@ -355,8 +357,11 @@ func TestApplyKeepsGrantsOfUnchangedFunctions(t *testing.T) {
 		}
 		return s
 	}
-	if got, want := settings("deferred_key_after_insert()"), `definer=t config={plan_cache_mode=force_custom_plan,"search_path=public, pg_temp"}`; got != want {
-		t.Errorf("deferred_key_after_insert, whose file did not change since 0002: %s, want %s", got, want)
+	if got, want := settings("deferred_key_after_update()"), `definer=t config={plan_cache_mode=force_custom_plan,"search_path=public, pg_temp"}`; got != want {
+		t.Errorf("deferred_key_after_update, whose file did not change since 0002: %s, want %s", got, want)
+	}
+	if got, want := settings("deferred_key_after_insert()"), `definer=f config={plan_cache_mode=auto}`; got != want {
+		t.Errorf("deferred_key_after_insert, changed by 0016: %s, want %s (what its file says)", got, want)
 	}
 	if got, want := settings("deferred_key_refresh(text[],bigint[])"), `definer=f config={plan_cache_mode=auto}`; got != want {
 		t.Errorf("deferred_key_refresh, changed by 0003: %s, want %s (what its file says)", got, want)
@@ -368,8 +373,9 @@ func TestApplyKeepsGrantsOfUnchangedFunctions(t *testing.T) {
 			warn += line
 		}
 	}
-	if !strings.Contains(warn, "grants.sql") || !strings.Contains(warn, "deferred_key_refresh(text[],bigint[])") || strings.Contains(warn, "deferred_key_after_insert") {
-		t.Errorf("want a warning naming grants.sql and deferred_key_refresh, not deferred_key_after_insert; logged:\n%s", out)
+	if !strings.Contains(warn, "grants.sql") || !strings.Contains(warn, "deferred_key_refresh(text[],bigint[])") ||
+		!strings.Contains(warn, "deferred_key_after_insert()") || strings.Contains(warn, "deferred_key_after_update") {
+		t.Errorf("want a warning naming grants.sql, deferred_key_refresh and deferred_key_after_insert, not deferred_key_after_update; logged:\n%s", out)
 	}
 }
 

@@ -44,9 +44,10 @@ type step struct {
 // read a table once per message: migration 0003 bounds them by the batch's
 // keys or ids, though a statement may still walk a table once. After
 // AnalyzeIfStale, each step reads in proportion to its batch, not to the
-// table. deferred_key_refresh, which the triggers run on every step, chooses
-// between generic and custom plans (migration 0015): each step runs with it
-// forced to either, and a generic plan is made on the stale statistics.
+// table. deferred_key_refresh, which the triggers run on every step, and the
+// insert and delete triggers choose between generic and custom plans
+// (migrations 0015 and 0016): each step runs with all three forced to
+// either, and a generic plan is made on the stale statistics.
 func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 	const (
 		tableRows = 20_000
@@ -76,6 +77,15 @@ func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 			_, err := tx.Exec(ctx, "DELETE FROM deferred_message WHERE id = ANY ($1)", ids)
 			return err
 		}},
+		// The insert trigger's head upsert, on keys that have a head (the
+		// claimed ones: ON CONFLICT, no change) and on new keys.
+		{"ingest: insert, claimed keys and new ones", 1, func(ctx context.Context, tx pgx.Tx, ids []int64, keys []string) error {
+			_, err := tx.Exec(ctx, `INSERT INTO deferred_message (business_key, target_topic, next_run_at, key, value)
+				SELECT coalesce(c.k, 'new-' || i), 't', now(), '\x01'::bytea, '\x02'::bytea
+				FROM generate_series(1, 2 * cardinality($1::text[])) AS i
+				LEFT JOIN unnest($1::text[]) WITH ORDINALITY AS c (k, n) ON c.n = i`, keys)
+			return err
+		}},
 	}
 	// Drained, then analyzed (the density recorded is about zero) or
 	// vacuumed (autovacuum's way: the tables truncated to no pages, their
@@ -94,11 +104,14 @@ func TestStaleStatisticsKeepWorkProportionalToBatch(t *testing.T) {
 
 // staleSteps is one step of TestStaleStatisticsKeepWorkProportionalToBatch
 // on tables drained and then analyzed or vacuumed (drained), with
-// deferred_key_refresh planning by plans (a plan_cache_mode).
+// deferred_key_refresh and the insert and delete triggers planning by plans
+// (a plan_cache_mode).
 func staleSteps(t *testing.T, s step, drained, plans string, tableRows, batch, perMessage int) {
 	ctx := t.Context()
 	db := pgtest.NewDB(t)
-	mustExec(t, db.Pool, "ALTER FUNCTION deferred_key_refresh(text[], bigint[]) SET plan_cache_mode = "+plans)
+	for _, fn := range []string{"deferred_key_refresh(text[], bigint[])", "deferred_key_after_insert()", "deferred_key_after_delete()"} {
+		mustExec(t, db.Pool, "ALTER FUNCTION "+fn+" SET plan_cache_mode = "+plans)
+	}
 	staleStateAfter(t, db.Pool, tableRows, s.perKey, drained+" deferred_message, deferred_key")
 
 	// Before the analyze, with the statistics stale: each statement

@@ -3,18 +3,16 @@
 -- one that holds its key, may move or remove its key's head; the keys and
 -- unordered ids touched go to deferred_key_refresh.
 --
--- plan_cache_mode: PL/pgSQL keeps each statement's plan for the life of the
--- connection, and after a few calls settles on a generic plan made without
--- the actual arrays. A generic plan made while deferred_key was small can
--- join it by a full scan, and keep doing so at a million keys (seen in the
--- benchmark: a finalize taking seconds). Planning each call with the real
--- arguments costs well under a millisecond per statement, once per batch,
--- not per message. (Migration 0002 set it with ALTER FUNCTION; it is part of
--- the definition here, so that re-applying this file keeps it.)
+-- plan_cache_mode = auto (migration 0016; force_custom_plan before): its
+-- statements read only the transition table and call deferred_key_refresh,
+-- which plans its own statements (auto since migration 0015), so a generic
+-- plan costs what a custom one does whatever the statistics say; planned on
+-- every call, it spent about 1 µs per message planning at a moderate load
+-- (docs/benchmarks.md, "Generic plans for the head triggers").
 
 CREATE OR REPLACE FUNCTION deferred_key_after_delete() RETURNS trigger
 LANGUAGE plpgsql
-SET plan_cache_mode = force_custom_plan
+SET plan_cache_mode = auto
 AS $$
 DECLARE
     keys text[];

@@ -15,18 +15,18 @@
 -- starts afresh (failures 0, a lease owned by no one cleared; see
 -- deferred_key_refresh.sql).
 --
--- plan_cache_mode: PL/pgSQL keeps each statement's plan for the life of the
--- connection, and after a few calls settles on a generic plan made without
--- the actual arrays. A generic plan made while deferred_key was small can
--- join it by a full scan, and keep doing so at a million keys (seen in the
--- benchmark: a finalize taking seconds). Planning each call with the real
--- arguments costs well under a millisecond per statement, once per batch,
--- not per message. (Migration 0002 set it with ALTER FUNCTION; it is part of
--- the definition here, so that re-applying this file keeps it.)
+-- plan_cache_mode = auto (migration 0016; force_custom_plan before): its
+-- statements read the transition table and write deferred_key through its
+-- primary key (the ON CONFLICT arbiter), with target_control probed only for
+-- throttled targets; no plan choice depends on how many rows the queue
+-- tables hold, so a generic plan made on stale statistics costs what a
+-- custom one does. Planned on every call, at the small inserts of a
+-- moderate load they cost 9 µs of planning per message, the throttle-share
+-- call 7 more (docs/benchmarks.md, "Generic plans for the head triggers").
 
 CREATE OR REPLACE FUNCTION deferred_key_after_insert() RETURNS trigger
 LANGUAGE plpgsql
-SET plan_cache_mode = force_custom_plan
+SET plan_cache_mode = auto
 AS $$
 DECLARE
     earliest timestamptz;
