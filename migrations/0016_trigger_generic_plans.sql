@@ -1,22 +1,29 @@
--- The head triggers of inserts and deletes may use generic plans.
+-- The head upkeep of inserts and deletes stops planning on every call.
 --
--- Changes sql/schema/functions/deferred_key_after_insert.sql and
--- sql/schema/functions/deferred_key_after_delete.sql: plan_cache_mode auto
--- instead of force_custom_plan. Their statements read the transition table
--- and reach deferred_key only through its primary key (the insert's ON
--- CONFLICT arbiter) or through deferred_key_refresh, which plans its own
--- statements (auto since 0015): no plan choice in them depends on the queue
--- tables' statistics. Planned on every call, at the small batches of a
--- moderate load (5,000 msgs/s) they cost about 16 µs of planning per
--- message, half of all the planning Postgres did for the service
--- (docs/benchmarks.md, "Generic plans for the head triggers").
--- deferred_key_after_update keeps force_custom_plan: it joins the two
--- transition tables, and a generic plan made on a small batch could join an
--- operator's large UPDATE by a nested loop.
+-- Changes sql/schema/functions/deferred_key_after_insert.sql,
+-- sql/schema/functions/deferred_key_after_delete.sql and
+-- sql/schema/functions/deferred_key_throttle_share.sql.
 --
--- Both are AFTER triggers of deferred_message, which grants.sql makes
--- SECURITY DEFINER with a pinned search_path; replacing them drops both, so
--- run grants.sql again after this migration, as after 0013 (`scheduler
--- migrate` warns and names them). Until then an operator role's insert or
--- delete of messages fails for want of rights on deferred_key; the service,
--- which writes deferred_key itself, is not affected.
+-- The two triggers: plan_cache_mode auto instead of force_custom_plan.
+-- Their statements read the transition table and reach deferred_key only
+-- through its primary key (the insert's ON CONFLICT arbiter) or through
+-- deferred_key_refresh, which plans its own statements (auto since 0015):
+-- no plan choice in them depends on the queue tables' statistics. Planned
+-- on every call, at the small batches of a moderate load (5,000 msgs/s)
+-- they cost about 16 µs of planning per message, half of all the planning
+-- Postgres did for the service (docs/benchmarks.md, "Generic plans for the
+-- head triggers"). deferred_key_after_update keeps force_custom_plan: it
+-- joins the two transition tables, and a generic plan made on a small batch
+-- could join an operator's large UPDATE by a nested loop.
+--
+-- deferred_key_throttle_share, which both triggers and deferred_key_refresh
+-- call once per statement, becomes PL/pgSQL on generic plans: PostgreSQL
+-- plans a SQL function's statement anew on every call, about 8 µs per
+-- message more. Same reads, same locks.
+--
+-- Both triggers are AFTER triggers of deferred_message, which grants.sql
+-- makes SECURITY DEFINER with a pinned search_path; replacing them drops
+-- both, so run grants.sql again after this migration, as after 0013
+-- (`scheduler migrate` warns and names them). Until then an operator role's
+-- insert or delete of messages fails for want of rights on deferred_key;
+-- the service, which writes deferred_key itself, is not affected.
