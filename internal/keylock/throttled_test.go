@@ -574,3 +574,60 @@ func statementSQL(t *testing.T, file string) string {
 	}
 	return s.SQL
 }
+
+// TestThrottleShareLocksOnlyItsTargets: a head writer takes the shared
+// advisory lock of the throttled targets it writes heads of, and of no
+// other (a lock on another target would make an operator's un-throttling of
+// that target wait for the writer). The function runs on generic plans
+// (migration 0016), which do not know how many targets they are asked
+// about; with the target test outside the CASE, a sequential scan of a
+// small target_control ran the CASE first and locked every throttled
+// target.
+func TestThrottleShareLocksOnlyItsTargets(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, paused)
+		SELECT 'p' || i, i % 2 = 0 FROM generate_series(0, 49) AS i`)
+	mustExec(t, db.Pool, `ANALYZE target_control`)
+	for _, tc := range []struct {
+		name string
+		sql  string
+		want []string // throttled targets whose lock the transaction holds
+	}{
+		{"asked about one paused target", `SELECT deferred_key_throttle_share(ARRAY['p2'])`, []string{"p2"}},
+		{"asked about a paused and a free one", `SELECT deferred_key_throttle_share(ARRAY['p4', 'p5'])`, []string{"p4"}},
+		{"asked about all", `SELECT deferred_key_throttle_share(NULL)`, nil}, // every even one: checked by count below
+		{"an insert of a paused target's message", `INSERT INTO deferred_message (business_key, target_topic, next_run_at)
+			VALUES ('k', 'p6', now())`, []string{"p6"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tx, err := db.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			// Beyond the plan cache's first five custom plans, so that
+			// the plan is the one it keeps.
+			for range 7 {
+				mustExec(t, tx, tc.sql)
+			}
+			var held []string
+			if err := tx.QueryRow(ctx, `SELECT coalesce(array_agg(c.target_topic ORDER BY c.target_topic), '{}')
+				FROM target_control c JOIN pg_locks l
+				  ON l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.mode = 'ShareLock'
+				 AND l.classid::bigint = (hashtext('deferred_key.throttled')::bigint & 4294967295)
+				 AND l.objid::bigint = (hashtext(c.target_topic)::bigint & 4294967295)`).Scan(&held); err != nil {
+				t.Fatal(err)
+			}
+			if tc.want == nil {
+				if len(held) != 25 {
+					t.Errorf("holds the locks of %d targets, want the 25 paused ones: %q", len(held), held)
+				}
+				return
+			}
+			if !slices.Equal(held, tc.want) {
+				t.Errorf("holds the locks of %q, want %q", held, tc.want)
+			}
+		})
+	}
+}

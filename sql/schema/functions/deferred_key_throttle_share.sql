@@ -61,11 +61,15 @@ BEGIN
                   END
         );
     END IF;
+    -- The target test is in the CASE too: a generic plan does not know how
+    -- long targets is and may run the CASE before the plain test (seen on
+    -- a sequential scan), which would lock throttled targets not asked
+    -- about. The plain test is what the primary key's index takes.
     RETURN (
         SELECT coalesce(array_agg(c.target_topic ORDER BY c.target_topic), '{}')
         FROM target_control c
         WHERE c.target_topic = ANY (targets)
-          AND CASE WHEN c.paused OR c.rate_limit IS NOT NULL
+          AND CASE WHEN c.target_topic = ANY (targets) AND (c.paused OR c.rate_limit IS NOT NULL)
                    THEN pg_try_advisory_xact_lock_shared(hashtext('deferred_key.throttled'), hashtext(c.target_topic))
                    ELSE false
               END
