@@ -32,7 +32,6 @@
 -- overlapping writers starve an operator's change, whereas the lock manager
 -- queues a waiting exclusive request ahead of later shared ones (a try then
 -- fails).
-
 --
 -- PL/pgSQL on generic plans (migration 0016): PostgreSQL plans a SQL
 -- function's statement anew on every call from another statement, and the
@@ -42,7 +41,7 @@
 -- to choose it kept custom ones here (a custom plan of the NULL case skips
 -- the filter, which makes the generic plan look dearer), so the generic
 -- plan is forced; the two cases are two statements so that each has a
--- plan of its own, the second by target_control's primary key.
+-- plan of its own, the second able to use target_control's primary key.
 
 CREATE OR REPLACE FUNCTION deferred_key_throttle_share(targets text[]) RETURNS text[]
 LANGUAGE plpgsql
