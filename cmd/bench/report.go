@@ -705,29 +705,26 @@ func writeLateness(w io.Writer, cfg config, rows []lateRow) {
 }
 
 // summarizeLateness sets the RESULT keys of sc's lateness phases, those
-// measured.
+// measured: lateness and lateness_vacuumed (see summarize).
 func (sc scenario) summarizeLateness(s *summary) {
 	if sc.late != nil {
-		s.set("p99_lateness_ms", ms(sc.late.p99))
-		s.set("p50_lateness_ms", ms(sc.late.p50))
-		s.set("max_lateness_ms", ms(sc.late.max))
-		s.set("lateness_pg_cpu_us_per_msg", sc.late.perMsg(sc.late.cpu.postgres))
-		sc.late.summarizeAutovacuum(s, "lateness")
+		sc.late.summarize(s, "lateness")
 	}
 	if sc.lateVacuumed != nil {
-		s.set("p99_lateness_vacuumed_ms", ms(sc.lateVacuumed.p99))
-		s.set("p50_lateness_vacuumed_ms", ms(sc.lateVacuumed.p50))
-		s.set("max_lateness_vacuumed_ms", ms(sc.lateVacuumed.max))
+		sc.lateVacuumed.summarize(s, "lateness_vacuumed")
 		s.set("vacuumed_pages", float64(sc.vacuumedPages))
-		s.set("lateness_vacuumed_pg_cpu_us_per_msg", sc.lateVacuumed.perMsg(sc.lateVacuumed.cpu.postgres))
-		sc.lateVacuumed.summarizeAutovacuum(s, "lateness_vacuumed")
 	}
 }
 
-// summarizeAutovacuum sets the RESULT keys of l's split by autovacuum, if
-// watched: <phase>_autovacuum_msgs (records due while a worker ran),
-// p99_<phase>_autovacuum_ms and p99_<phase>_no_autovacuum_ms.
-func (l *latencies) summarizeAutovacuum(s *summary, phase string) {
+// summarize sets the RESULT keys of one lateness phase: p50_<phase>_ms,
+// p99_<phase>_ms, max_<phase>_ms, <phase>_pg_cpu_us_per_msg and, if
+// autovacuum was watched, <phase>_autovacuum_msgs (records due while a
+// worker ran), p99_<phase>_autovacuum_ms and p99_<phase>_no_autovacuum_ms.
+func (l *latencies) summarize(s *summary, phase string) {
+	s.set("p99_"+phase+"_ms", ms(l.p99))
+	s.set("p50_"+phase+"_ms", ms(l.p50))
+	s.set("max_"+phase+"_ms", ms(l.max))
+	s.set(phase+"_pg_cpu_us_per_msg", l.perMsg(l.cpu.postgres))
 	if l.autovacuum == nil {
 		return
 	}
