@@ -611,14 +611,7 @@ func TestThrottleShareLocksOnlyItsTargets(t *testing.T) {
 			for range 7 {
 				mustExec(t, tx, tc.sql)
 			}
-			var held []string
-			if err := tx.QueryRow(ctx, `SELECT coalesce(array_agg(c.target_topic ORDER BY c.target_topic), '{}')
-				FROM target_control c JOIN pg_locks l
-				  ON l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.mode = 'ShareLock'
-				 AND l.classid::bigint = (hashtext('deferred_key.throttled')::bigint & 4294967295)
-				 AND l.objid::bigint = (hashtext(c.target_topic)::bigint & 4294967295)`).Scan(&held); err != nil {
-				t.Fatal(err)
-			}
+			held := heldThrottleLocks(t, tx)
 			if tc.want == nil {
 				if len(held) != 25 {
 					t.Errorf("holds the locks of %d targets, want the 25 paused ones: %q", len(held), held)
@@ -629,5 +622,121 @@ func TestThrottleShareLocksOnlyItsTargets(t *testing.T) {
 				t.Errorf("holds the locks of %q, want %q", held, tc.want)
 			}
 		})
+	}
+}
+
+// TestHeadWritersLockOnlyTheirTargets: a refresh of heads (an operator's
+// delete or update of messages, every finalize) and the throttle sweep take
+// the shared lock of the throttled targets they write heads of, not of
+// every throttled target (migration 0017): each lock is an entry of the
+// shared lock table until the transaction ends.
+func TestHeadWritersLockOnlyTheirTargets(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, paused)
+		SELECT 'p' || i, i % 2 = 0 FROM generate_series(0, 49) AS i`)
+	// Key d: a free target's message ahead of a paused one's. Key u: a
+	// paused target's. Key s: a paused target's head whose flag a race
+	// left unset. Key f: a free target's.
+	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
+		('d', 1, 'p1', now()), ('d', 2, 'p8', now()), ('u', 3, 'p10', now()), ('s', 4, 'p12', now()),
+		('f', 5, 'p3', now())`)
+	mustExec(t, db.Pool, `ANALYZE target_control`)
+	for _, tc := range []struct {
+		name  string
+		setup string // run once in the transaction first
+		sql   string
+		want  []string // throttled targets whose lock the transaction holds
+	}{
+		{"a delete that moves a head to a paused target", "", `DELETE FROM deferred_message WHERE business_key = 'd' AND seq = 1`, []string{"p8"}},
+		{"an update of a paused target's message", "", `UPDATE deferred_message SET next_run_at = now() WHERE business_key = 'u'`, []string{"p10"}},
+		{"an update of a free target's message", "", `UPDATE deferred_message SET next_run_at = now() WHERE business_key = 'f'`, []string{}},
+		{"a sweep with nothing to flag", "", `SELECT deferred_key_throttle_sweep()`, []string{}},
+		{"a sweep that flags one target's head", `UPDATE deferred_key SET throttled = false WHERE business_key = 's'`,
+			`SELECT deferred_key_throttle_sweep()`, []string{"p12"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tx, err := db.Pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback(context.WithoutCancel(ctx))
+			if tc.setup != "" {
+				mustExec(t, tx, tc.setup)
+			}
+			// Beyond the plan cache's first five custom plans, so that
+			// the plans are the ones it keeps.
+			for range 7 {
+				mustExec(t, tx, tc.sql)
+			}
+			held := heldThrottleLocks(t, tx)
+			if !slices.Equal(held, tc.want) {
+				t.Errorf("holds the locks of %q, want %q", held, tc.want)
+			}
+			if diff, err := headsDiff(ctx, tx); err != nil || len(diff) > 0 {
+				t.Errorf("heads differ from their recomputation: %q, %v", diff, err)
+			}
+		})
+	}
+}
+
+// heldThrottleLocks lists the targets whose shared throttle lock (see
+// deferred_key_throttle_share.sql) this transaction holds.
+func heldThrottleLocks(t testing.TB, tx pgx.Tx) []string {
+	t.Helper()
+	var held []string
+	if err := tx.QueryRow(t.Context(), `SELECT coalesce(array_agg(c.target_topic ORDER BY c.target_topic), '{}')
+		FROM target_control c JOIN pg_locks l
+		  ON l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.mode = 'ShareLock'
+		 AND l.classid::bigint = (hashtext('deferred_key.throttled')::bigint & 4294967295)
+		 AND l.objid::bigint = (hashtext(c.target_topic)::bigint & 4294967295)`).Scan(&held); err != nil {
+		t.Fatal(err)
+	}
+	return held
+}
+
+// TestManyThrottledTargets: with more paused targets than PostgreSQL's
+// default lock table holds (max_locks_per_transaction 64 x 100
+// connections), a free target's messages are still claimed and finalized,
+// and the maintenance sweep still runs. Before migration 0017 every
+// finalize took a lock per paused target and failed with "out of shared
+// memory" (on a server whose lock table is larger it passed then too;
+// TestHeadWritersLockOnlyTheirTargets checks the locks themselves).
+func TestManyThrottledTargets(t *testing.T) {
+	const paused = 20000
+	db := pgtest.NewDB(t)
+	ctx := t.Context()
+	mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, paused)
+		SELECT 'svc' || i || '.retry', true FROM generate_series(1, $1::int) AS i`, paused)
+	// One paused target has a head, so that the refresh has a throttled
+	// target to ask about too.
+	mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, seq, target_topic, next_run_at) VALUES
+		('a', 1, 'free.t', now()), ('a', 2, 'svc7.retry', now()), ('b', 3, 'free.t', now())`)
+	l := newLocker(t, db.Pool, "me", time.Minute, 10)
+	claims, err := l.Claim(ctx, 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What a round publishes: each key's run up to a change of target
+	// (dispatch's run), so a@2 stays, for its paused target.
+	var ids []int64
+	for _, c := range claims {
+		for _, m := range c.Messages {
+			if m.Target != "free.t" {
+				break
+			}
+			ids = append(ids, m.ID)
+		}
+	}
+	mustEqual(t, "messages published", len(ids), 2)
+	if err := l.Finalize(ctx, claims, keylock.Outcome{Published: ids}); err != nil {
+		t.Fatalf("finalize beside %d paused targets: %v", paused, err)
+	}
+	assertHeadsMatch(t, db.Pool)
+	if got := throttledSummary(t, db.Pool); !slices.Equal(got, []string{"a@2"}) {
+		t.Errorf("throttled heads = %q, want a@2 (its paused target's message)", got)
+	}
+	if _, err := keylock.SweepThrottled(ctx, db.Pool); err != nil {
+		t.Fatalf("sweep beside %d paused targets: %v", paused, err)
 	}
 }

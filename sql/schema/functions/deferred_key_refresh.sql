@@ -74,7 +74,7 @@ AS $$
 DECLARE
     earliest timestamptz;
     earliest_unordered timestamptz;
-    throttling text[];
+    throttling text[] := '{}';
     -- The lease holder whose finalize runs this transaction, if any.
     finalizing text := nullif(current_setting('scheduler.finalizing', true), '');
 BEGIN
@@ -83,8 +83,31 @@ BEGIN
         SELECT k, 0, 0, 'infinity' FROM unnest(keys) AS k ORDER BY k
         ON CONFLICT (business_key) DO UPDATE SET head_id = d.head_id WHERE false;
     END IF;
-    IF cardinality(keys) > 0 OR cardinality(unordered_ids) > 0 THEN
-        throttling := deferred_key_throttle_share(NULL);
+    -- Only the targets of the heads about to be written are asked about
+    -- (migration 0017): each target locked is a shared advisory lock held
+    -- to the end of the transaction, and asking about every throttled
+    -- target made each finalize hold one per paused or rate-limited target,
+    -- so that some thousands of them filled the lock table ("out of shared
+    -- memory") and every finalize failed. Reading the heads' targets first
+    -- costs a second probe per key, paid only while some target is
+    -- throttled. A head whose target changes between this read and the
+    -- heads below is left unflagged, which is safe (see
+    -- deferred_key_throttle_share.sql).
+    IF (cardinality(keys) > 0 OR cardinality(unordered_ids) > 0)
+       AND EXISTS (SELECT 1 FROM target_control c WHERE c.paused OR c.rate_limit IS NOT NULL) THEN
+        throttling := deferred_key_throttle_share(ARRAY(
+            SELECT m.target_topic
+            FROM unnest(keys) AS k (business_key)
+            CROSS JOIN LATERAL (
+                SELECT m.target_topic FROM deferred_message m
+                WHERE m.business_key = k.business_key
+                  AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
+                ORDER BY m.seq, m.id
+                LIMIT 1
+            ) m
+            UNION
+            SELECT m.target_topic FROM deferred_message m
+            WHERE m.id = ANY (unordered_ids) AND (m.state = 'pending') IS TRUE AND m.business_key IS NULL));
     END IF;
 
     IF cardinality(keys) > 0 THEN

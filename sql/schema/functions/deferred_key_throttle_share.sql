@@ -27,6 +27,9 @@
 -- deferred_key_throttle_share takes, without waiting, a shared advisory
 -- lock (held to the end of the transaction) on each target among targets
 -- (NULL: all) that is paused or rate-limited, and returns those it got.
+-- Callers ask about the targets they write heads of: since migration 0017
+-- none asks for all, since each lock is an entry of the shared lock table
+-- and a few thousand throttled targets filled it.
 -- Advisory rather than row locks: a share lock on the target_control row
 -- would conflict with the dispatchers' token takes, or let a stream of
 -- overlapping writers starve an operator's change, whereas the lock manager

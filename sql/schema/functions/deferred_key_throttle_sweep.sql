@@ -12,7 +12,15 @@ DECLARE
     flagged bigint;
     unflagged bigint;
 BEGIN
-    throttling := deferred_key_throttle_share(NULL);
+    -- Only the targets that have heads to flag are locked (migration 0017),
+    -- usually none: a lock per throttled target, some thousands of them,
+    -- filled the lock table. One probe of deferred_key_target_due per
+    -- throttled target finds them.
+    throttling := deferred_key_throttle_share(ARRAY(
+        SELECT c.target_topic FROM target_control c
+        WHERE (c.paused OR c.rate_limit IS NOT NULL)
+          AND EXISTS (SELECT 1 FROM deferred_key k
+                      WHERE NOT k.throttled AND k.head_target = c.target_topic AND NOT k.held)));
     UPDATE deferred_key k SET throttled = true
     WHERE NOT k.throttled AND NOT k.held AND k.head_target = ANY (throttling)
       AND EXISTS (SELECT 1 FROM target_control c

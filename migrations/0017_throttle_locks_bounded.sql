@@ -1,0 +1,16 @@
+-- Head writers lock only the throttled targets they write heads of.
+--
+-- Changes sql/schema/functions/deferred_key_refresh.sql,
+-- sql/schema/functions/deferred_key_throttle_sweep.sql and the comment of
+-- sql/schema/functions/deferred_key_throttle_share.sql.
+--
+-- deferred_key_refresh (every finalize, every operator's update or delete
+-- of messages) and deferred_key_throttle_sweep took the shared advisory lock
+-- of every paused or rate-limited target, held to the end of the
+-- transaction. Each is an entry of PostgreSQL's shared lock table
+-- (max_locks_per_transaction x connections, 6,400 on defaults): with some
+-- thousands of throttled targets a finalize failed with "out of shared
+-- memory", and with it every round. The refresh now reads its heads'
+-- targets first and asks about those; the sweep asks about the throttled
+-- targets that have an unflagged head. Neither is a trigger function, so
+-- grants.sql need not run again.
