@@ -104,7 +104,11 @@ type Locker struct {
 	pool *pgxpool.Pool
 	cfg  Config
 	// share is how many due heads the next main claim reads per target
-	// (dispatch_claim.sql's $6); 0 until the first claim. See nextShare.
+	// (dispatch_claim.sql's $6); 0: the whole round, whatever its size
+	// (before the first claim, and after one that left no target holding
+	// back), so that a round larger than the last one (dispatch's claimSize
+	// goes from few keys to many after a hot key) still reads all of it
+	// for a lone target. See nextShare.
 	share atomic.Int64
 }
 
@@ -274,7 +278,11 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only 
 		last.Messages = append(last.Messages, m)
 	}
 	if only == nil {
-		l.share.Store(int64(nextShare(claims, len(empty), maxKeys, share)))
+		next := nextShare(claims, len(empty), maxKeys, share)
+		if next >= maxKeys {
+			next = 0
+		}
+		l.share.Store(int64(next))
 	}
 	if len(empty) > 0 {
 		if err := l.Finalize(ctx, empty, Outcome{}); err != nil {
