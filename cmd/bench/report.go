@@ -535,7 +535,7 @@ func (r *results) write(w io.Writer) {
 	for _, m := range r.machine {
 		fmt.Fprintln(w, m)
 	}
-	fmt.Fprintln(w, "service:  ./cmd/scheduler as a subprocess on its defaults (4 dispatch loops, 500 keys x 100 msgs per claim within 5,000 msgs per round, ingest batches of 1,000 / 20ms)")
+	fmt.Fprintln(w, "service:  ./cmd/scheduler as a subprocess on its defaults (4 dispatch loops claiming one at a time, 500 keys x 100 msgs per claim within 5,000 msgs per round, ingest batches of 1,000 / 20ms)")
 
 	fmt.Fprintln(w, "\nTHROUGHPUT (CPU seconds spent meanwhile: the service process, all Postgres processes, this process with kfake and the load generators)")
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', tabwriter.AlignRight)

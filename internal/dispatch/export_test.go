@@ -32,3 +32,7 @@ func (d *Dispatcher) SetLimitedFor(dur time.Duration) { d.limitedFor = dur }
 
 // SetPollInterval sets d's poll interval.
 func (d *Dispatcher) SetPollInterval(dur time.Duration) { d.cfg.PollInterval = dur }
+
+// AfterPublish makes f run in d's rounds between publish and finalize; an
+// error from f stops the round there, as a crash would.
+func (d *Dispatcher) AfterPublish(f func() error) { d.afterPublish = f }

@@ -59,6 +59,7 @@ type Metrics struct {
 	parked        *prometheus.CounterVec
 	lateness      prometheus.Histogram
 	roundDuration prometheus.Histogram
+	claimWait     prometheus.Histogram
 
 	backlog *backlogCollector
 
@@ -155,6 +156,11 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Help:    "Duration of dispatch rounds that claimed keys: claim, publish and finalize.",
 			Buckets: durations,
 		}),
+		claimWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    DispatchClaimWait,
+			Help:    "Time dispatch rounds waited for their turn to claim (DISPATCH_CLAIMS claims of this process run at once).",
+			Buckets: durations,
+		}),
 		dlqPublished: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: DLQPublished,
 			Help: "Dead-letter copies of parked messages acknowledged by the broker.",
@@ -227,7 +233,7 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	reg.MustRegister(
 		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.ingestRollbacks, m.ingestReread, m.ingestUnrecoverable, m.ingestResets, m.ingestBuffered,
-		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration,
+		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration, m.claimWait,
 		m.backlog,
 		m.dlqPublished, m.dlqPublishErrors,
 		m.ingestGated, m.ingestMisrouted, m.keyStateRequests, m.keyStateDuration, m.keyStateKeys,
@@ -386,6 +392,15 @@ func (m *Metrics) Round(d time.Duration) {
 		return
 	}
 	m.roundDuration.Observe(d.Seconds())
+}
+
+// ClaimWait records how long a round waited for its turn to claim
+// (dispatch.Config.ClaimTurns).
+func (m *Metrics) ClaimWait(d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.claimWait.Observe(d.Seconds())
 }
 
 // DLQPublished counts n dead-letter copies acknowledged by the broker.

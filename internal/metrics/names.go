@@ -30,6 +30,7 @@ const (
 	DispatchParked        = "scheduler_dispatch_parked_total"         // counter {target, reason: code}
 	DispatchLateness      = "scheduler_dispatch_lateness_seconds"     // histogram: broker ack time minus due time
 	DispatchRoundDuration = "scheduler_dispatch_round_duration_seconds"
+	DispatchClaimWait     = "scheduler_dispatch_claim_wait_seconds"
 	Messages              = "scheduler_messages"           // gauge {target, state}
 	MessagesDue           = "scheduler_messages_due"       // gauge {target}: pending and due, not yet sent
 	OldestDue             = "scheduler_oldest_due_seconds" // gauge: how late the earliest due head is now
@@ -68,7 +69,7 @@ func Names() []string {
 	return []string{
 		IngestRecords, IngestRejected, IngestParked, IngestBatchRecords, IngestBatchDuration, IngestLag,
 		IngestRollbacks, IngestReread, IngestUnrecoverable, IngestPartitionResets, IngestBufferedBytes,
-		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration,
+		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration, DispatchClaimWait,
 		Messages, MessagesDue, OldestDue, HeldKeys, KeysHeldParked, DLQPublished, DLQPublishErrors, DLQUnsent,
 		DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
 		RiverJobs, Ready, BuildInfo,

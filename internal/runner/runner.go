@@ -90,6 +90,9 @@ type Config struct {
 	Loops int
 	// Workers caps how many loops this process runs at once.
 	Workers int
+	// Claims caps the main claims this process's loops run at once
+	// (dispatch.Config.ClaimTurns); 0: no cap.
+	Claims int
 	// LoopDuration is how long one loop job runs before handing over to its
 	// successor.
 	LoopDuration time.Duration
@@ -160,6 +163,13 @@ func New(pool *pgxpool.Pool, producer dispatch.Producer, waker *Waker, cfg Confi
 		return nil, fmt.Errorf("dispatch: loop duration %v must be positive", cfg.LoopDuration)
 	case cfg.MaintenanceInterval <= 0:
 		return nil, fmt.Errorf("dispatch: maintenance interval %v must be positive", cfg.MaintenanceInterval)
+	case cfg.Claims < 0:
+		return nil, fmt.Errorf("dispatch: %d claims at once, need at least 0 (0: no cap)", cfg.Claims)
+	}
+	if cfg.Claims > 0 {
+		// One set of turns for every loop this process runs: copied into
+		// each loop's dispatch.Config, the channel stays the same.
+		cfg.Dispatch.ClaimTurns = make(chan struct{}, cfg.Claims)
 	}
 	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger.With("component", "dispatch"),
 		dlqLogger: logger.With("component", "dlq"), stop: make(chan struct{}), dlqWake: make(chan struct{}, 1)}

@@ -219,6 +219,7 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		Instance:            fmt.Sprintf("%s:%d", host, os.Getpid()),
 		Loops:               cfg.DispatchLoops,
 		Workers:             cfg.DispatchWorkers,
+		Claims:              cfg.DispatchClaims,
 		LoopDuration:        cfg.DispatchLoopDuration,
 		Lease:               cfg.LeaseDuration,
 		PerKey:              cfg.DispatchKeyBatch,
