@@ -239,8 +239,15 @@ func TestMetricsFollowAScriptedRun(t *testing.T) {
 		if n, _ := s.histogram(metrics.DispatchLateness); n != 3 {
 			t.Errorf("%s counted %d messages, want the 3 published", metrics.DispatchLateness, n)
 		}
-		if n, _ := s.histogram(metrics.DispatchRoundDuration); n == 0 {
+		rounds, _ := s.histogram(metrics.DispatchRoundDuration)
+		if rounds == 0 {
 			t.Errorf("%s counted no round", metrics.DispatchRoundDuration)
+		}
+		// On the defaults (DISPATCH_CLAIMS=1) every claim, empty ones too,
+		// waits for a turn first: the turns are wired into the service.
+		if waits, _ := s.histogram(metrics.DispatchClaimWait); waits < rounds {
+			t.Errorf("%s counted %d waits for a turn, fewer than the %d rounds that claimed keys",
+				metrics.DispatchClaimWait, waits, rounds)
 		}
 		if !s.is(1, metrics.DispatchPublishErrors, "target", missingTopic, "kind", "unknown_topic") {
 			t.Errorf("%s{target=%s,kind=unknown_topic} != 1", metrics.DispatchPublishErrors, missingTopic)
