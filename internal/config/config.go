@@ -61,6 +61,7 @@ type Config struct {
 	DispatchLoops         int           `env:"DISPATCH_LOOPS" envDefault:"4" form:"integer 1..256" help:"dispatch loops shared by all replicas on the database"`
 	DispatchWorkers       int           `env:"DISPATCH_WORKERS" envDefault:"4" form:"integer 1..256" help:"dispatch loops this replica runs at most"`
 	DispatchClaims        int           `env:"DISPATCH_CLAIMS" envDefault:"1" form:"integer 1..256" help:"claim statements this replica's dispatch loops run at once; the others wait their turn (loops claiming at once slow each other's claims, which due messages wait for)"`
+	DispatchExpressHeads  int           `env:"DISPATCH_EXPRESS_HEADS" envDefault:"32" form:"integer 0..10000" help:"while another target has a backlog, a target with at most this many due heads is claimed at once, outside the claim turns, when a notification says a head became due and every dispatch loop is busy; 0 turns express claims off"`
 	DispatchBatchKeys     int           `env:"DISPATCH_BATCH_KEYS" envDefault:"500" form:"integer 1..100000" help:"keys claimed per round"`
 	DispatchKeyBatch      int           `env:"DISPATCH_KEY_BATCH" envDefault:"100" form:"integer 1..10000" help:"consecutive due messages of one key published per round"`
 	DispatchRoundMessages int           `env:"DISPATCH_ROUND_MESSAGES" envDefault:"5000" form:"integer 1..1000000" help:"most messages one dispatch round claims and holds in memory (rate-limited targets' claims come on top); a round takes many keys with short runs or few keys with whole runs within it"`
@@ -211,6 +212,7 @@ func (c *Config) validate() error {
 	intRange("DISPATCH_LOOPS", c.DispatchLoops, 1, 256)
 	intRange("DISPATCH_WORKERS", c.DispatchWorkers, 1, 256)
 	intRange("DISPATCH_CLAIMS", c.DispatchClaims, 1, 256)
+	intRange("DISPATCH_EXPRESS_HEADS", c.DispatchExpressHeads, 0, 10000)
 	intRange("DISPATCH_BATCH_KEYS", c.DispatchBatchKeys, 1, 100000)
 	intRange("DISPATCH_ROUND_MESSAGES", c.DispatchRoundMessages, 1, 1000000)
 	intRange("DISPATCH_KEY_BATCH", c.DispatchKeyBatch, 1, 10000)

@@ -23,6 +23,7 @@ import (
 	"fmt"
 	"log/slog"
 	"slices"
+	"sync/atomic"
 	"time"
 
 	"github.com/IBM/sarama"
@@ -79,6 +80,16 @@ type Config struct {
 	// drains a million messages fell by 31% on average over seven pairs, the
 	// end-to-end rate unchanged and the drain within a few percent.
 	ClaimTurns chan struct{}
+	// ExpressHeads is how many due heads a target may have and still be
+	// claimed by express rounds (RunExpress): at most this many, none
+	// leased, and the target has no backlog to share out.
+	ExpressHeads int
+	// Sleeping, shared by the Dispatchers of one process (nil: not
+	// counted), counts their loops asleep with nothing to claim, which a
+	// notification wakes. Express rounds run only while it is zero: a
+	// sleeping loop woken by the same notification claims at once, and an
+	// express round beside it would only race it for the same heads.
+	Sleeping *atomic.Int32
 	// MaxMessageBytes is the producer's Producer.MaxMessageBytes; zero means
 	// sarama's default (1 MiB). A message larger than that is parked before
 	// the publish rather than refused by the producer, so that when it holds
@@ -225,6 +236,10 @@ func (d *Dispatcher) sleep(ctx context.Context, until time.Time, stop <-chan str
 	var wake <-chan struct{}
 	if wakeable {
 		wake = d.wake
+		if d.cfg.Sleeping != nil {
+			d.cfg.Sleeping.Add(1)
+			defer d.cfg.Sleeping.Add(-1)
+		}
 	}
 	select {
 	case <-t.C:
@@ -298,6 +313,14 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 	limitedClaims, st, limitErr := d.claimLimited(ctx, d.locker.MaxBytes()-keylock.Bytes(claims))
 	claimErr = errors.Join(claimErr, limitErr)
 	claims = append(claims, limitedClaims...)
+	return d.deliver(ctx, start, claims, st, claimErr, false)
+}
+
+// deliver publishes what a round claimed and finalizes it: st and claimErr
+// are what the claims said so far. An express round (ExpressRound) is
+// counted apart from the others and logged at debug level.
+func (d *Dispatcher) deliver(ctx context.Context, start time.Time, claims []keylock.Claim, st RoundStats, claimErr error,
+	express bool) (RoundStats, error) {
 	st.Keys = len(claims)
 	for _, c := range claims {
 		for _, m := range c.Messages {
@@ -447,10 +470,17 @@ func (d *Dispatcher) Round(ctx context.Context) (RoundStats, error) {
 		d.cfg.OnParked()
 	}
 	took := d.now().Sub(start)
-	mx.Round(took)
+	level := slog.LevelInfo
+	if express {
+		// There may be one per message of a light target.
+		level = slog.LevelDebug
+		mx.ExpressKeys(st.Keys)
+	} else {
+		mx.Round(took)
+	}
 	// One line per round that did something (empty rounds return above), so
 	// the log follows the work, not the polling.
-	d.logger.Info("dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
+	d.logger.Log(ctx, level, "dispatch round", "keys", st.Keys, "published", st.Published, "parked", st.Parked,
 		"retry", st.Retry, "duration", took)
 	return st, claimErr
 }

@@ -148,7 +148,28 @@ func TestClaimDoesNotWalkAnotherTargetsBacklog(t *testing.T) {
 				t.Errorf("read %d rows of deferred_key, want at most %d: %q", read, limit, scans)
 			}
 			t.Logf("%q", scans)
-			// And it finds them.
+			// The express claim, light up to 32 heads: the targets' first
+			// entries, at most 33 heads of each counted, the light ones'
+			// heads read.
+			read, scans = planRows(t, db.Pool, nil, statementSQL(t, "dispatch_claim_express.sql"),
+				10, time.Minute, 10, "me", int64(keylock.DefaultMaxBytes), 32)
+			if limit := int64(3 + 2*33 + 5); read > limit {
+				t.Errorf("express claim read %d rows of deferred_key, want at most %d: %q", read, limit, scans)
+			}
+			t.Logf("express: %q", scans)
+			// And they find them.
+			express, err := newLocker(t, db.Pool, "express", time.Minute, 10).ClaimExpress(t.Context(), 10, 10, 32)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := map[string]int{}
+			if tt.analyzed[0].due < 0 { // the other target's backlog is due
+				want["alerts"] = 5
+			}
+			if got := takenByTarget(express); !maps.Equal(got, want) {
+				t.Errorf("express claim took %v, want %v", got, want)
+			}
+			mustExec(t, db.Pool, `UPDATE deferred_key SET leased_until = NULL, leased_by = NULL WHERE leased_by = 'express'`)
 			claims, err := newLocker(t, db.Pool, "fair", time.Minute, 10).Claim(t.Context(), 10)
 			if err != nil {
 				t.Fatal(err)

@@ -179,14 +179,42 @@ func (l *Locker) Lease() time.Duration { return l.cfg.Lease }
 // to the caller like any others and must be published and finalized; the
 // keys that were to be released wait out their lease.
 func (l *Locker) Claim(ctx context.Context, maxKeys int) ([]Claim, error) {
-	return l.claim(ctx, maxKeys, l.cfg.PerKey, l.cfg.MaxBytes, nil)
+	return l.ClaimRuns(ctx, maxKeys, l.cfg.PerKey)
 }
 
 // ClaimRuns is Claim reading at most perKey messages per key (at most
 // Config.PerKey): a caller bounding the messages of one claim trades keys
 // for run length with it.
 func (l *Locker) ClaimRuns(ctx context.Context, maxKeys, perKey int) ([]Claim, error) {
-	return l.claim(ctx, maxKeys, max(1, min(perKey, l.cfg.PerKey)), l.cfg.MaxBytes, nil)
+	share := maxKeys
+	if s := int(l.share.Load()); s > 0 {
+		share = min(s, maxKeys)
+	}
+	claims, empty, err := l.claim(ctx, "claim due keys", func(p queries.ClaimParams) ([]queries.DispatchClaimRow, error) {
+		return queries.DispatchClaim(ctx, l.pool, queries.DispatchClaimParams{ClaimParams: p, Share: share})
+	}, maxKeys, max(1, min(perKey, l.cfg.PerKey)), l.cfg.MaxBytes)
+	if err == nil || len(claims)+empty > 0 { // the statement ran
+		next := nextShare(claims, empty, maxKeys, share)
+		if next >= maxKeys {
+			next = 0
+		}
+		l.share.Store(int64(next))
+	}
+	return claims, err
+}
+
+// ClaimExpress is ClaimRuns for the due heads of light targets only: those
+// with at most light due heads that no one holds, and only while some other
+// target has more (dispatch_claim_express.sql). Such a target has a backlog,
+// which the main claim shares out; this one is for messages that should not
+// wait behind it (see internal/dispatch's RunExpress). Without a backlog it
+// claims nothing. It takes at most maxKeys keys, earliest due first, and
+// does not change what the main claim reads per target.
+func (l *Locker) ClaimExpress(ctx context.Context, maxKeys, perKey, light int) ([]Claim, error) {
+	claims, _, err := l.claim(ctx, "claim due keys of light targets", func(p queries.ClaimParams) ([]queries.DispatchClaimRow, error) {
+		return queries.DispatchClaimExpress(ctx, l.pool, queries.DispatchClaimExpressParams{ClaimParams: p, Light: max(1, light)})
+	}, maxKeys, max(1, min(perKey, l.cfg.PerKey)), l.cfg.MaxBytes)
+	return claims, err
 }
 
 // PerKey returns Config.PerKey.
@@ -200,7 +228,11 @@ func (l *Locker) PerKey() int { return l.cfg.PerKey }
 // it are given back, and their tokens are the caller's to return. As with
 // Claim, an error may come with claims, which the caller must publish.
 func (l *Locker) ClaimTarget(ctx context.Context, maxKeys int, target string, maxBytes int) ([]Claim, error) {
-	return l.claim(ctx, maxKeys, 1, maxBytes, &target)
+	claims, _, err := l.claim(ctx, fmt.Sprintf("claim due keys of rate-limited target %q", target),
+		func(p queries.ClaimParams) ([]queries.DispatchClaimRow, error) {
+			return queries.DispatchClaimTarget(ctx, l.pool, queries.DispatchClaimTargetParams{ClaimParams: p, Target: target})
+		}, maxKeys, 1, maxBytes)
+	return claims, err
 }
 
 // MaxBytes returns Config.MaxBytes.
@@ -222,33 +254,23 @@ func Bytes(claims []Claim) int {
 	return n
 }
 
-// claim runs dispatch_claim.sql or, if only is not nil, dispatch_claim_target.sql
-// for that target. Two statements rather than one with an optional target:
-// each names its partial index's predicate (deferred_key.throttled) as a
-// constant, so that even a generic plan of the prepared statement can use
-// that index.
+// claim runs one of the claim statements (dispatch_claim.sql,
+// dispatch_claim_target.sql, dispatch_claim_express.sql) through query, with
+// the parameters they share, and turns its rows into claims; what names
+// the statement in errors. They are separate statements rather than one
+// with optional parts so that each names its partial index's predicate
+// (deferred_key.throttled) as a constant, so that even a generic plan of
+// the prepared statement can use that index.
 //
 // maxBytes is applied by the statement ($5): rows past it come back with
-// their key only (id NULL), and such keys are released here.
-func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only *string) ([]Claim, error) {
-	p := queries.ClaimParams{MaxKeys: maxKeys, Lease: l.cfg.Lease, PerKey: perKey, Owner: l.cfg.Owner,
-		MaxBytes: int64(max(1, maxBytes))}
-	var rows []queries.DispatchClaimRow
-	var err error
-	share := maxKeys
-	if only != nil {
-		rows, err = queries.DispatchClaimTarget(ctx, l.pool, queries.DispatchClaimTargetParams{ClaimParams: p, Target: *only})
-	} else {
-		if s := int(l.share.Load()); s > 0 {
-			share = min(s, maxKeys)
-		}
-		rows, err = queries.DispatchClaim(ctx, l.pool, queries.DispatchClaimParams{ClaimParams: p, Share: share})
-	}
+// their key only (id NULL), and such keys are released here. It returns how
+// many keys came back empty beside the claims.
+func (l *Locker) claim(ctx context.Context, what string, query func(queries.ClaimParams) ([]queries.DispatchClaimRow, error),
+	maxKeys, perKey, maxBytes int) ([]Claim, int, error) {
+	rows, err := query(queries.ClaimParams{MaxKeys: maxKeys, Lease: l.cfg.Lease, PerKey: perKey, Owner: l.cfg.Owner,
+		MaxBytes: int64(max(1, maxBytes))})
 	if err != nil {
-		if only != nil {
-			return nil, fmt.Errorf("claim due keys of rate-limited target %q: %w", *only, err)
-		}
-		return nil, fmt.Errorf("claim due keys: %w", err)
+		return nil, 0, fmt.Errorf("%s: %w", what, err)
 	}
 
 	var claims, empty []Claim
@@ -277,22 +299,15 @@ func (l *Locker) claim(ctx context.Context, maxKeys, perKey, maxBytes int, only 
 		last := &claims[len(claims)-1]
 		last.Messages = append(last.Messages, m)
 	}
-	if only == nil {
-		next := nextShare(claims, len(empty), maxKeys, share)
-		if next >= maxKeys {
-			next = 0
-		}
-		l.share.Store(int64(next))
-	}
 	if len(empty) > 0 {
 		if err := l.Finalize(ctx, empty, Outcome{}); err != nil {
 			// The claims are leased all the same: dropped here, their
 			// messages would wait out the lease unpublished.
-			return claims, fmt.Errorf("give back %d claimed keys that came back without a message (they wait out their lease): %w",
+			return claims, len(empty), fmt.Errorf("give back %d claimed keys that came back without a message (they wait out their lease): %w",
 				len(empty), err)
 		}
 	}
-	return claims, nil
+	return claims, len(empty), nil
 }
 
 // nextShare returns how many due heads the next main claim should read per

@@ -188,6 +188,8 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 	}{
 		{"main claim", nil, statementSQL(t, "dispatch_claim.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes), 10}, 12},
 		{"limited target's claim", nil, statementSQL(t, "dispatch_claim_target.sql"), []any{5, lease, 1, "me", int64(keylock.DefaultMaxBytes), "limited.t"}, 5},
+		// The free target has a backlog: counted (11 entries), not read.
+		{"express claim", nil, statementSQL(t, "dispatch_claim_express.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes), 10}, 14},
 		{"next due", nil, statementSQL(t, "dispatch_next_due.sql"), nil, 20},
 		{"token peek", nil, statementSQL(t, "target_peek_tokens.sql"), []any{[]string{"limited.t", "paused.t"}}, 5},
 		{"token take", nil, statementSQL(t, "target_take_tokens.sql"), []any{[]string{"limited.t"}, 5}, 5},
@@ -323,8 +325,9 @@ func TestThrottleSweep(t *testing.T) {
 	assertHeadsMatch(t, db.Pool)
 }
 
-// TestClaimStatementsShareTheirMessageRead: the main claim and a limited
-// target's claim differ only in which heads they lease.
+// TestClaimStatementsShareTheirMessageRead: the main claim, a limited
+// target's claim and the express claim differ only in which heads they
+// lease.
 func TestClaimStatementsShareTheirMessageRead(t *testing.T) {
 	const from = "), claimed AS ("
 	tail := func(name, s string) string {
@@ -334,8 +337,11 @@ func TestClaimStatementsShareTheirMessageRead(t *testing.T) {
 		}
 		return s[i:]
 	}
-	if tail("dispatch_claim.sql", statementSQL(t, "dispatch_claim.sql")) != tail("dispatch_claim_target.sql", statementSQL(t, "dispatch_claim_target.sql")) {
-		t.Error("dispatch_claim.sql and dispatch_claim_target.sql differ after the heads they lease")
+	main := tail("dispatch_claim.sql", statementSQL(t, "dispatch_claim.sql"))
+	for _, other := range []string{"dispatch_claim_target.sql", "dispatch_claim_express.sql"} {
+		if tail(other, statementSQL(t, other)) != main {
+			t.Errorf("dispatch_claim.sql and %s differ after the heads they lease", other)
+		}
 	}
 }
 

@@ -60,6 +60,7 @@ type Metrics struct {
 	lateness      prometheus.Histogram
 	roundDuration prometheus.Histogram
 	claimWait     prometheus.Histogram
+	expressKeys   prometheus.Counter
 
 	backlog *backlogCollector
 
@@ -161,6 +162,10 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Help:    "Time dispatch rounds waited for their turn to claim (DISPATCH_CLAIMS claims of this process run at once).",
 			Buckets: durations,
 		}),
+		expressKeys: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: DispatchExpressKeys,
+			Help: "Keys claimed by express rounds: due heads of targets without a backlog (at most DISPATCH_EXPRESS_HEADS due heads) while another target has one, claimed outside the claim turns when a notification says a head became due. Their rounds are not in the round duration.",
+		}),
 		dlqPublished: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: DLQPublished,
 			Help: "Dead-letter copies of parked messages acknowledged by the broker.",
@@ -233,7 +238,7 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	reg.MustRegister(
 		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.ingestRollbacks, m.ingestReread, m.ingestUnrecoverable, m.ingestResets, m.ingestBuffered,
-		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration, m.claimWait,
+		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration, m.claimWait, m.expressKeys,
 		m.backlog,
 		m.dlqPublished, m.dlqPublishErrors,
 		m.ingestGated, m.ingestMisrouted, m.keyStateRequests, m.keyStateDuration, m.keyStateKeys,
@@ -401,6 +406,14 @@ func (m *Metrics) ClaimWait(d time.Duration) {
 		return
 	}
 	m.claimWait.Observe(d.Seconds())
+}
+
+// ExpressKeys counts n keys claimed by an express round.
+func (m *Metrics) ExpressKeys(n int) {
+	if m == nil {
+		return
+	}
+	m.expressKeys.Add(float64(n))
 }
 
 // DLQPublished counts n dead-letter copies acknowledged by the broker.

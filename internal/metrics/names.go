@@ -31,9 +31,10 @@ const (
 	DispatchLateness      = "scheduler_dispatch_lateness_seconds"     // histogram: broker ack time minus due time
 	DispatchRoundDuration = "scheduler_dispatch_round_duration_seconds"
 	DispatchClaimWait     = "scheduler_dispatch_claim_wait_seconds"
-	Messages              = "scheduler_messages"           // gauge {target, state}
-	MessagesDue           = "scheduler_messages_due"       // gauge {target}: pending and due, not yet sent
-	OldestDue             = "scheduler_oldest_due_seconds" // gauge: how late the earliest due head is now
+	DispatchExpressKeys   = "scheduler_dispatch_express_keys_total" // counter: keys of light targets claimed by express rounds
+	Messages              = "scheduler_messages"                    // gauge {target, state}
+	MessagesDue           = "scheduler_messages_due"                // gauge {target}: pending and due, not yet sent
+	OldestDue             = "scheduler_oldest_due_seconds"          // gauge: how late the earliest due head is now
 	// HeldKeys counts keys backing off after retriable publish failures (a
 	// broker or topic problem); they retry by themselves. Not to be confused
 	// with KeysHeldParked.
@@ -70,6 +71,7 @@ func Names() []string {
 		IngestRecords, IngestRejected, IngestParked, IngestBatchRecords, IngestBatchDuration, IngestLag,
 		IngestRollbacks, IngestReread, IngestUnrecoverable, IngestPartitionResets, IngestBufferedBytes,
 		DispatchPublished, DispatchPublishErrors, DispatchParked, DispatchLateness, DispatchRoundDuration, DispatchClaimWait,
+		DispatchExpressKeys,
 		Messages, MessagesDue, OldestDue, HeldKeys, KeysHeldParked, DLQPublished, DLQPublishErrors, DLQUnsent,
 		DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
 		RiverJobs, Ready, BuildInfo,

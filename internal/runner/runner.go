@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -171,6 +172,10 @@ func New(pool *pgxpool.Pool, producer dispatch.Producer, waker *Waker, cfg Confi
 		// each loop's dispatch.Config, the channel stays the same.
 		cfg.Dispatch.ClaimTurns = make(chan struct{}, cfg.Claims)
 	}
+	if cfg.Dispatch.ExpressHeads > 0 {
+		// Shared the same way: the express loop reads what the loops count.
+		cfg.Dispatch.Sleeping = new(atomic.Int32)
+	}
 	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger.With("component", "dispatch"),
 		dlqLogger: logger.With("component", "dlq"), stop: make(chan struct{}), dlqWake: make(chan struct{}, 1)}
 
@@ -272,13 +277,52 @@ func (rt *Runtime) Start(ctx context.Context) error {
 		defer close(analyzeDone)
 		rt.analyzeStale(lctx)
 	}()
+	expressDone := make(chan struct{})
+	go func() {
+		defer close(expressDone)
+		rt.express(lctx)
+	}()
 	go func() {
 		rt.heartbeat(lctx)
 		<-dlqDone
 		<-analyzeDone
+		<-expressDone
 		close(rt.livenessDone)
 	}()
 	return nil
+}
+
+// express runs this process's express rounds (dispatch.RunExpress) until
+// ctx ends or Stop: the due heads of targets without a backlog, claimed
+// when a notification says a head became due. One per process, beside the
+// loops and outside River: it holds no slot, and a process without
+// notifications (no waker) or with express claims off runs none.
+func (rt *Runtime) express(ctx context.Context) {
+	if rt.waker == nil || rt.cfg.Dispatch.ExpressHeads <= 0 {
+		return
+	}
+	locker, err := keylock.New(rt.pool, keylock.Config{
+		Owner:    rt.cfg.Instance + "/express",
+		Lease:    rt.cfg.Lease,
+		PerKey:   rt.cfg.PerKey,
+		MaxBytes: rt.cfg.RoundBytes,
+	})
+	if err != nil {
+		rt.logger.Error("express claims off", "error", err)
+		return
+	}
+	wake, unsubscribe := rt.waker.Subscribe()
+	defer unsubscribe()
+	cfg := rt.cfg.Dispatch
+	cfg.OnParked = rt.parked
+	// Express rounds take no turn: waiting for one is what they avoid.
+	cfg.ClaimTurns = nil
+	d, err := dispatch.New(locker, rt.producer, wake, cfg, rt.logger.With("loop", "express"))
+	if err != nil {
+		rt.logger.Error("express claims off", "error", err)
+		return
+	}
+	d.RunExpress(ctx, rt.stop)
 }
 
 // analyzeStale checks the queue tables' statistics every analyzeEvery until

@@ -2,6 +2,7 @@ package runner
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -270,4 +271,57 @@ func TestRuntimePublishesDeadLetters(t *testing.T) {
 		t.Fatal(err)
 	}
 	dispatchtest.MustEqual(t, "marked published", e.Count("dlq_published_at IS NOT NULL"), 1)
+}
+
+// The runtime runs express rounds beside its loops when notifications are
+// on: a message due at a target without a backlog, beside another's
+// backlog, goes out while every loop waits for the turn to claim. With
+// DISPATCH_EXPRESS_HEADS 0 it waits for the turn.
+func TestRuntimeExpressRounds(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		heads int
+	}{{"express on", 5}, {"express off", 0}} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := dispatchtest.New(t)
+			col := e.Collect(dispatchtest.TopicA)
+			waker := NewWaker(e.Pool, 5*time.Millisecond, dispatchtest.Logger())
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			go waker.Run(ctx)
+			rt, err := New(e.Pool, e.Producer, waker, Config{
+				Instance: "test", Loops: 2, Workers: 2, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+				MaintenanceInterval: time.Minute,
+				Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
+					ExpressHeads: tt.heads},
+			}, dispatchtest.Logger())
+			if err != nil {
+				t.Fatal(err)
+			}
+			turns := rt.cfg.Dispatch.ClaimTurns
+			turns <- struct{}{} // as if a main claim ran all along
+			if err := rt.Start(ctx); err != nil {
+				t.Fatal(err)
+			}
+			defer rt.Stop(context.Background())
+			// Another target's backlog, which express rounds leave alone.
+			var backlog []fixture.Message
+			for i := range 20 {
+				k := fmt.Sprintf("backlog-%d", i)
+				backlog = append(backlog, fixture.Message{Key: fixture.Key(k), Target: dispatchtest.TopicB, RecordKey: []byte(k)})
+			}
+			e.Insert(backlog...)
+			time.Sleep(300 * time.Millisecond)
+			e.Insert(fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("now")})
+			if tt.heads > 0 {
+				col.Wait(t, 1, 5*time.Second)
+				<-turns // the loops waiting for it stop then
+				return
+			}
+			time.Sleep(time.Second)
+			dispatchtest.MustEqual(t, "published while the turn was held", len(col.Snapshot()), 0)
+			<-turns
+			col.Wait(t, 1, 5*time.Second)
+		})
+	}
 }

@@ -228,6 +228,7 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		HistoryRetention:    cfg.HistoryRetention,
 		Dispatch: dispatch.Config{
 			BatchKeys:       cfg.DispatchBatchKeys,
+			ExpressHeads:    cfg.DispatchExpressHeads,
 			RoundMessages:   cfg.DispatchRoundMessages,
 			PollInterval:    cfg.PollInterval,
 			Targets:         cfg.Targets(),

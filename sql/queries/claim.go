@@ -42,6 +42,17 @@ func (p DispatchClaimTargetParams) args() []any {
 	return append(p.ClaimParams.args(), p.Target)
 }
 
+// DispatchClaimExpressParams are dispatch_claim_express.sql's: the main
+// claim's first five, for the due heads of light targets.
+type DispatchClaimExpressParams struct {
+	ClaimParams     // $1..$5
+	Light       int // $6: a target with more due heads than this is left out
+}
+
+func (p DispatchClaimExpressParams) args() []any {
+	return append(p.ClaimParams.args(), p.Light)
+}
+
 // DispatchClaimRow is one message a claim read, or, with ID nil, a leased
 // key for which none came back (to be released).
 type DispatchClaimRow struct {
@@ -75,6 +86,12 @@ func DispatchClaim(ctx context.Context, db DBTX, p DispatchClaimParams) ([]Dispa
 // (dispatch_claim_target.sql).
 func DispatchClaimTarget(ctx context.Context, db DBTX, p DispatchClaimTargetParams) ([]DispatchClaimRow, error) {
 	return collect(ctx, db, dispatchClaimTargetSQL, p.args(), (*DispatchClaimRow).dest)
+}
+
+// DispatchClaimExpress leases the due heads of light targets
+// (dispatch_claim_express.sql).
+func DispatchClaimExpress(ctx context.Context, db DBTX, p DispatchClaimExpressParams) ([]DispatchClaimRow, error) {
+	return collect(ctx, db, dispatchClaimExpressSQL, p.args(), (*DispatchClaimRow).dest)
 }
 
 // The finalize statements run in one pipelined implicit transaction (one
