@@ -11,11 +11,11 @@ import (
 )
 
 // TestClaimExpressTakesLightTargetsOnly: while some target has a backlog
-// (more than light due heads that no one holds), the express claim leases
-// the due heads of the targets with at most light of them, earliest due
+// (more than light due heads, leased or not), the express claim leases the
+// free due heads of the targets with at most light of them, earliest due
 // first over all of them, and leaves the backlog to the main claim; with no
-// backlog it takes nothing. Heads not yet due, paused targets and heads
-// already leased are not counted or taken.
+// backlog it takes nothing. Heads not yet due and paused targets are not
+// counted or taken; leased heads count but are not taken.
 func TestClaimExpressTakesLightTargetsOnly(t *testing.T) {
 	big := backlog{"big", 500, -time.Hour} // a backlog, without which nothing is taken
 	tests := []struct {
@@ -41,8 +41,12 @@ func TestClaimExpressTakesLightTargetsOnly(t *testing.T) {
 			map[string]int{"alerts": 2}},
 		{"a paused backlog is no backlog", []backlog{{"held", 500, -time.Hour}, {"alerts", 2, -time.Second}}, []string{"held"}, 0, 100, 32,
 			map[string]int{}},
-		{"leased heads do not count", []backlog{big, {"busy", 40, -time.Hour}}, nil, 30, 100, 32,
-			map[string]int{"busy": 10}},
+		{"leased heads count", []backlog{big, {"busy", 40, -time.Hour}}, nil, 30, 100, 32,
+			map[string]int{}},
+		{"a light target's free heads go", []backlog{big, {"busy", 10, -time.Hour}}, nil, 5, 100, 32,
+			map[string]int{"busy": 5}},
+		{"a backlog all in flight is still one", []backlog{{"busy", 40, -time.Hour}, {"alerts", 2, -time.Second}}, nil, 40, 100, 32,
+			map[string]int{"alerts": 2}},
 		{"without a backlog nothing is taken", []backlog{{"alerts", 3, -time.Second}, {"orders", 32, -time.Hour}}, nil, 0, 100, 32,
 			map[string]int{}},
 		{"only backlogs: nothing is taken", []backlog{{"orders", 100, -time.Hour}}, nil, 0, 100, 32,

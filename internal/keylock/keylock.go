@@ -204,15 +204,29 @@ func (l *Locker) ClaimRuns(ctx context.Context, maxKeys, perKey int) ([]Claim, e
 }
 
 // ClaimExpress is ClaimRuns for the due heads of light targets only: those
-// with at most light due heads that no one holds, and only while some other
-// target has more (dispatch_claim_express.sql). Such a target has a backlog,
-// which the main claim shares out; this one is for messages that should not
-// wait behind it (see internal/dispatch's RunExpress). Without a backlog it
-// claims nothing. It takes at most maxKeys keys, earliest due first, and
-// does not change what the main claim reads per target.
+// with at most light due heads (leased or not), and only while some other
+// target has more (dispatch_express_targets.sql). Such a target has a
+// backlog, which the main claim shares out; this one is for messages that
+// should not wait behind it (see internal/dispatch's RunExpress). Without a
+// backlog, or without a light target, it claims nothing and runs only that
+// small count. It takes at most maxKeys keys, at most light of each target,
+// earliest due first (dispatch_claim_express.sql), and does not change
+// what the main claim reads per target.
 func (l *Locker) ClaimExpress(ctx context.Context, maxKeys, perKey, light int) ([]Claim, error) {
+	light = max(1, light)
+	rows, err := queries.DispatchExpressTargets(ctx, l.pool, queries.DispatchExpressTargetsParams{Light: light})
+	if err != nil {
+		return nil, fmt.Errorf("count due heads per target for an express claim: %w", err)
+	}
+	if len(rows) == 0 {
+		return nil, nil
+	}
+	targets := make([]string, len(rows))
+	for i, r := range rows {
+		targets[i] = r.Target
+	}
 	claims, _, err := l.claim(ctx, "claim due keys of light targets", func(p queries.ClaimParams) ([]queries.DispatchClaimRow, error) {
-		return queries.DispatchClaimExpress(ctx, l.pool, queries.DispatchClaimExpressParams{ClaimParams: p, Light: max(1, light)})
+		return queries.DispatchClaimExpress(ctx, l.pool, queries.DispatchClaimExpressParams{ClaimParams: p, Targets: targets, PerTarget: light})
 	}, maxKeys, max(1, min(perKey, l.cfg.PerKey)), l.cfg.MaxBytes)
 	return claims, err
 }

@@ -188,8 +188,10 @@ func TestThrottledBacklogNotRead(t *testing.T) {
 	}{
 		{"main claim", nil, statementSQL(t, "dispatch_claim.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes), 10}, 12},
 		{"limited target's claim", nil, statementSQL(t, "dispatch_claim_target.sql"), []any{5, lease, 1, "me", int64(keylock.DefaultMaxBytes), "limited.t"}, 5},
-		// The free target has a backlog: counted (11 entries), not read.
-		{"express claim", nil, statementSQL(t, "dispatch_claim_express.sql"), []any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes), 10}, 14},
+		// The free target has a backlog: 11 entries counted.
+		{"express targets", nil, statementSQL(t, "dispatch_express_targets.sql"), []any{10}, 13},
+		{"express claim", nil, statementSQL(t, "dispatch_claim_express.sql"),
+			[]any{10, lease, 10, "me", int64(keylock.DefaultMaxBytes), []string{"free.t", "paused.t", "limited.t"}, 10}, 10},
 		{"next due", nil, statementSQL(t, "dispatch_next_due.sql"), nil, 20},
 		{"token peek", nil, statementSQL(t, "target_peek_tokens.sql"), []any{[]string{"limited.t", "paused.t"}}, 5},
 		{"token take", nil, statementSQL(t, "target_take_tokens.sql"), []any{[]string{"limited.t"}, 5}, 5},

@@ -45,12 +45,33 @@ func (p DispatchClaimTargetParams) args() []any {
 // DispatchClaimExpressParams are dispatch_claim_express.sql's: the main
 // claim's first five, for the due heads of light targets.
 type DispatchClaimExpressParams struct {
-	ClaimParams     // $1..$5
-	Light       int // $6: a target with more due heads than this is left out
+	ClaimParams          // $1..$5
+	Targets     []string // $6: the light targets
+	PerTarget   int      // $7: due heads read per target at most
 }
 
 func (p DispatchClaimExpressParams) args() []any {
-	return append(p.ClaimParams.args(), p.Light)
+	return append(p.ClaimParams.args(), p.Targets, p.PerTarget)
+}
+
+// DispatchExpressTargetsParams are dispatch_express_targets.sql's.
+type DispatchExpressTargetsParams struct {
+	Light int // $1: a target with at most this many due heads is light
+}
+
+func (p DispatchExpressTargetsParams) args() []any { return []any{p.Light} }
+
+// DispatchExpressTargetsRow is one light target.
+type DispatchExpressTargetsRow struct {
+	Target string `db:"target"`
+}
+
+func (r *DispatchExpressTargetsRow) dest() []any { return []any{&r.Target} }
+
+// DispatchExpressTargets returns the light targets beside a backlog
+// (dispatch_express_targets.sql).
+func DispatchExpressTargets(ctx context.Context, db DBTX, p DispatchExpressTargetsParams) ([]DispatchExpressTargetsRow, error) {
+	return collect(ctx, db, dispatchExpressTargetsSQL, p.args(), (*DispatchExpressTargetsRow).dest)
 }
 
 // DispatchClaimRow is one message a claim read, or, with ID nil, a leased

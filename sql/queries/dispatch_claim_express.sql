@@ -1,53 +1,29 @@
--- The express claim: up to $1 due heads of light targets beside a backlog,
--- leased to $4 until now() + $2, each with its consecutive due pending
--- messages in order (at most $3 per key), within $5 bytes in all. A light
--- target is one with at most $6 due heads that no one holds; a target with
--- more has a backlog, and is left to the main claim (dispatch_claim.sql),
--- which shares rounds between targets. Nothing is taken unless some target
--- has a backlog.
+-- The express claim: up to $1 due heads of the light targets $6 (from
+-- dispatch_express_targets.sql), at most $7 of each, leased to $4 until
+-- now() + $2, each with its consecutive due pending messages in order (at
+-- most $3 per key), within $5 bytes in all; earliest due first over all of
+-- them.
 --
 -- Why (docs/design.md 4.4, "Express claims"): while a target drains a
 -- backlog, every main claim reads a whole round, and the loops of a process
 -- take it in turn; a message due on arrival at another target waits for
 -- the claim that is running when it is stored and for the next one. This
--- statement is run when a notification says a head became due and every
--- loop is busy (internal/dispatch's RunExpress), outside the turns, and
--- reads a few heads per target. Without a backlog the main claims are
--- short, and it takes nothing: small claims beside them would only cost
--- (at 5,000 msgs/s of one target they made the p99 lateness worse).
+-- statement is run when a notification says a head became due, every loop
+-- is busy and some target has a backlog (internal/dispatch's RunExpress),
+-- outside the turns, and reads at most $7 heads per target.
 --
--- The count that tells light from heavy reads at most $6 + 1 due heads of
--- each target without locking them: heads a concurrent main claim holds
--- locked still count, so a target being drained is not mistaken for a
--- light one. The heads taken are then read and locked as the main claim
--- reads them (SKIP LOCKED, due-time order, from deferred_key_target_due),
--- earliest due first over all light targets. Paused and rate-limited
--- targets are not in deferred_key_target_due; the target_control check is
--- the main claim's safety net (see there).
+-- The heads are read and locked as the main claim reads them (SKIP LOCKED,
+-- due-time order, from deferred_key_target_due, without paused and
+-- rate-limited targets, whose heads are not in it; the target_control
+-- check is the main claim's safety net, see there). A target that grew a
+-- backlog since it was counted gives at most $7 heads.
 --
 -- From "claimed AS" on, this is dispatch_claim.sql word for word (per-key
 -- order, the byte budget and the release of keys that come back empty rest
 -- on it; TestClaimStatementsShareTheirMessageRead checks it).
-WITH counted AS MATERIALIZED (
-    SELECT t.target,
-           (SELECT count(*)
-            FROM (SELECT
-                  FROM deferred_key k
-                  WHERE NOT k.throttled
-                    AND k.head_target = t.target
-                    AND k.next_run_at <= now()
-                    AND (k.leased_until IS NULL OR k.leased_until <= now())
-                  -- The order puts the count on deferred_key_target_due:
-                  -- without it, the planner read the table from the start
-                  -- and walked every other target's heads to find these.
-                  ORDER BY k.next_run_at
-                  LIMIT $6 + 1) n) AS heads
-    FROM deferred_key_target t
-    WHERE coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
-                                          WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
-), due AS MATERIALIZED (
+WITH due AS MATERIALIZED (
     SELECT h.ctid
-    FROM counted t
+    FROM unnest($6::text[]) AS t(target)
     CROSS JOIN LATERAL (
         SELECT k.ctid, k.next_run_at
         FROM deferred_key k
@@ -56,11 +32,11 @@ WITH counted AS MATERIALIZED (
           AND k.next_run_at <= now()
           AND (k.leased_until IS NULL OR k.leased_until <= now())
         ORDER BY k.next_run_at
-        LIMIT $6
+        LIMIT $7
         FOR UPDATE SKIP LOCKED
     ) h
-    WHERE t.heads BETWEEN 1 AND $6
-      AND EXISTS (SELECT FROM counted b WHERE b.heads > $6)
+    WHERE coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
+                                          WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
     ORDER BY h.next_run_at
     LIMIT $1
 ), claimed AS (

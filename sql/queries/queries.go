@@ -56,6 +56,8 @@ var (
 	dispatchClaimTargetSQL string
 	//go:embed dispatch_claim_express.sql
 	dispatchClaimExpressSQL string
+	//go:embed dispatch_express_targets.sql
+	dispatchExpressTargetsSQL string
 	//go:embed dispatch_delete.sql
 	dispatchDeleteSQL string
 	//go:embed dispatch_lock_keys.sql
@@ -126,6 +128,7 @@ func files() map[string]string {
 		"dispatch_claim.sql":             dispatchClaimSQL,
 		"dispatch_claim_target.sql":      dispatchClaimTargetSQL,
 		"dispatch_claim_express.sql":     dispatchClaimExpressSQL,
+		"dispatch_express_targets.sql":   dispatchExpressTargetsSQL,
 		"dispatch_delete.sql":            dispatchDeleteSQL,
 		"dispatch_lock_keys.sql":         dispatchLockKeysSQL,
 		"dispatch_lock_messages.sql":     dispatchLockMessagesSQL,
@@ -196,6 +199,7 @@ func Statements() []Statement {
 		st("dispatch_claim.sql", DispatchClaimParams{}, DispatchClaimRow{}),
 		st("dispatch_claim_target.sql", DispatchClaimTargetParams{}, DispatchClaimRow{}),
 		st("dispatch_claim_express.sql", DispatchClaimExpressParams{}, DispatchClaimRow{}),
+		st("dispatch_express_targets.sql", DispatchExpressTargetsParams{}, DispatchExpressTargetsRow{}),
 		st("dispatch_lock_messages.sql", DispatchLockMessagesParams{}, nil),
 		st("dispatch_lock_keys.sql", DispatchLockKeysParams{}, nil),
 		st("dispatch_delete.sql", DispatchDeleteParams{}, nil),
