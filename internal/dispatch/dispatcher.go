@@ -80,9 +80,9 @@ type Config struct {
 	// drains a million messages fell by 31% on average over seven pairs, the
 	// end-to-end rate unchanged and the drain within a few percent.
 	ClaimTurns chan struct{}
-	// ExpressHeads is how many due heads a target may have and still be
-	// claimed by express rounds (RunExpress): at most this many, none
-	// leased, and the target has no backlog to share out.
+	// ExpressHeads is how many due heads (leased or not) a target may have
+	// and still be light: express rounds (RunExpress) claim the free due
+	// heads of light targets while another target has more, a backlog.
 	ExpressHeads int
 	// Sleeping, shared by the Dispatchers of one process (nil: not
 	// counted), counts their loops asleep with nothing to claim, which a

@@ -294,7 +294,8 @@ func (rt *Runtime) Start(ctx context.Context) error {
 
 // express runs this process's express rounds (dispatch.RunExpress) until
 // ctx ends or Stop: the due heads of targets without a backlog, claimed
-// when a notification says a head became due. One per process, beside the
+// beside another target's backlog when a notification says a head became
+// due and every loop is busy. One per process, beside the
 // loops and outside River: it holds no slot, and a process without
 // notifications (no waker) or with express claims off runs none.
 func (rt *Runtime) express(ctx context.Context) {
