@@ -353,13 +353,9 @@ func (b *bench) startService(ctx context.Context, dbURL, brokers string, profile
 	// BENCH_SERVICE_ENV's settings (an experiment's, printed in the report).
 	env = append(append([]string{"DATABASE_URL=" + dbURL, "KAFKA_BROKERS=" + brokers, "TARGET_TOPICS=bench.*"}, env...),
 		b.cfg.ServiceEnv...)
-	p, err := schedproc.Start(schedproc.Options{Bin: b.bin, Pprof: profile, Logs: b.cfg.ServiceLogs, TailBytes: 64 << 10,
-		Env: env})
+	p, err := schedproc.StartReady(ctx, schedproc.Options{Bin: b.bin, Pprof: profile, Logs: b.cfg.ServiceLogs, TailBytes: 64 << 10,
+		Env: env}, 60*time.Second)
 	if err != nil {
-		return nil, err
-	}
-	if err := p.WaitReady(ctx, 60*time.Second); err != nil {
-		p.Kill()
 		return nil, err
 	}
 	return &service{p}, nil

@@ -101,6 +101,29 @@ func Start(opts Options) (*Process, error) {
 	return p, nil
 }
 
+// StartReady is Start, then WaitReady within, started again (three tries in
+// all) when the process exits during start-up because a loopback port
+// Start chose was taken meanwhile: FreeAddr's port is free when it looks,
+// and another process (a parallel test's connection, whose ephemeral port
+// comes from the same range) may bind it before the scheduler does.
+func StartReady(ctx context.Context, opts Options, within time.Duration) (*Process, error) {
+	for attempt := 1; ; attempt++ {
+		p, err := Start(opts)
+		if err != nil {
+			return nil, err
+		}
+		err = p.WaitReady(ctx, within)
+		if err == nil {
+			return p, nil
+		}
+		p.Kill()
+		if attempt < 3 && errors.Is(err, ErrExited) && strings.Contains(p.Logs(), "address already in use") {
+			continue
+		}
+		return nil, err
+	}
+}
+
 // Done is closed when the process has exited.
 func (p *Process) Done() <-chan struct{} { return p.done }
 

@@ -1,6 +1,8 @@
 package schedproc
 
 import (
+	"errors"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -34,5 +36,35 @@ func TestWaitReadyReportsAnExit(t *testing.T) {
 	}
 	if code := p.Cmd.ProcessState.ExitCode(); code != 3 {
 		t.Errorf("exit code %d, want 3", code)
+	}
+}
+
+// StartReady starts a process again when it exited because a port it was
+// given was taken meanwhile, three tries in all, and not for other exits.
+func TestStartReadyRetriesATakenPort(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		say   string
+		tries int
+	}{
+		{"port taken", "listen tcp 127.0.0.1:1: bind: address already in use", 3},
+		{"other failure", "no database", 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			count := t.TempDir() + "/tries"
+			_, err := StartReady(t.Context(), Options{Bin: "/bin/sh",
+				Args: []string{"-c", `echo x >> "$COUNT"; echo "$SAY"; exit 1`},
+				Env:  []string{"COUNT=" + count, "SAY=" + tt.say}}, 10*time.Second)
+			if !errors.Is(err, ErrExited) || !strings.Contains(err.Error(), tt.say) {
+				t.Fatalf("StartReady: %v; want ErrExited with the output", err)
+			}
+			b, rerr := os.ReadFile(count)
+			if rerr != nil {
+				t.Fatal(rerr)
+			}
+			if got := strings.Count(string(b), "x"); got != tt.tries {
+				t.Errorf("started %d times, want %d", got, tt.tries)
+			}
+		})
 	}
 }
