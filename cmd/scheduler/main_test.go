@@ -91,14 +91,15 @@ type proc struct {
 }
 
 // start runs `scheduler run` with env and its flags args, and waits until
-// /readyz answers 200.
+// /readyz answers 200. A port the test chose for it and another test took
+// meanwhile gets it started again (schedproc.StartReady).
 func start(t *testing.T, env []string, args ...string) *proc {
 	t.Helper()
-	p := launch(t, env, args...)
-	if err := p.WaitReady(t.Context(), 30*time.Second); err != nil {
+	sp, err := schedproc.StartReady(t.Context(), schedproc.Options{Bin: binary(t), Args: append([]string{"run"}, args...), Env: env}, 30*time.Second)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return p
+	return own(t, sp)
 }
 
 // launch runs `scheduler run` with env and its flags args, without waiting
@@ -109,6 +110,12 @@ func launch(t *testing.T, env []string, args ...string) *proc {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return own(t, sp)
+}
+
+// own makes sp the test's: it is killed when the test ends, and its logs
+// are printed if the test failed.
+func own(t *testing.T, sp *schedproc.Process) *proc {
 	p := &proc{Process: sp, t: t}
 	t.Cleanup(func() {
 		p.Kill()

@@ -324,14 +324,18 @@ func TestReplayRateAgainstTheClock(t *testing.T) {
 	if span < want-300*time.Millisecond || span > want+time.Second {
 		t.Errorf("%d replayed messages went out over %v, want about %v at %v/s", n, span, want, rate)
 	}
-	// No second holds much more than the rate.
+	// No second holds much more than the rate. The due times are staggered,
+	// so a dispatcher that stalls (a loaded 2-core machine running the
+	// suite at -race) catches up on what fell due meanwhile: a stall of d
+	// seconds puts rate*(1+d) in one second. Allow half a second of it;
+	// an unpaced replay puts all n (twice the rate) in one.
 	for i := range ts {
 		j := i
 		for j < len(ts) && ts[j].Sub(ts[i]) < time.Second {
 			j++
 		}
-		if j-i > int(rate)+3 {
-			t.Fatalf("%d messages within one second from %v, want at most about %v", j-i, ts[i], rate)
+		if j-i > int(1.5*rate) {
+			t.Fatalf("%d messages within one second from %v, want at most %v at %v/s", j-i, ts[i], int(1.5*rate), rate)
 		}
 	}
 	waitRows(t, db.Pool, 5*time.Second, "SELECT count(*) FROM deferred_message", 0)
