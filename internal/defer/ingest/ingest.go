@@ -106,10 +106,16 @@ type IngestConfig struct {
 	// BatchSize, BatchBytes and BatchLinger bound a batch by count, by
 	// bytes and by age: a batch is written when it holds BatchSize records
 	// or BatchBytes bytes (see recordBytes), or when its first record has
-	// waited BatchLinger. A record larger than BatchBytes is written alone.
+	// waited BatchLinger, or sooner when its partition has nothing more read
+	// and no insert statement runs or waits (nothing to share one with). A
+	// record larger than BatchBytes is written alone.
 	BatchSize   int
 	BatchBytes  int
 	BatchLinger time.Duration
+	// AlwaysLinger makes a batch wait for BatchLinger (or to fill) even
+	// when nothing else is read or written: for a test that needs ingest
+	// to hold records, as it does under load.
+	AlwaysLinger bool
 	// Writers is how many insert statements run at once over every
 	// partition (0: DefaultWriters). Batches that come while all are busy
 	// are written together in the next one, within BatchSize and
@@ -701,7 +707,13 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 			}
 			b.msgs = append(b.msgs, msg)
 			b.bytes += size
-			if len(b.msgs) >= in.cfg.BatchSize || (in.cfg.BatchBytes > 0 && b.bytes >= int64(in.cfg.BatchBytes)) {
+			full := len(b.msgs) >= in.cfg.BatchSize || (in.cfg.BatchBytes > 0 && b.bytes >= int64(in.cfg.BatchBytes))
+			// A batch also goes before its linger when the partition has
+			// nothing more read and no insert statement runs: the linger
+			// would only delay it, as nothing else is being written to
+			// share a statement with. Under load, statements run and
+			// records queue while they do, so batches still fill.
+			if full || (!in.cfg.AlwaysLinger && len(claim.Messages()) == 0 && in.writer.idle()) {
 				linger.Stop()
 				if err := flush(ctx); err != nil {
 					return err

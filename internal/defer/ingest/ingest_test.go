@@ -650,23 +650,29 @@ func TestIngestCountsOnReplay(t *testing.T) {
 }
 
 // TestIngestBatching checks that a batch is written when it is full and
-// when its first record has waited BatchLinger, whichever comes first.
+// when its first record has waited BatchLinger, whichever comes first, and
+// at once when nothing else is read or written.
 func TestIngestBatching(t *testing.T) {
 	tests := []struct {
 		name   string
 		size   int
 		linger time.Duration
+		always bool // AlwaysLinger
 		n      int
-		within time.Duration
+		// The records are stored within within of their produce and no
+		// sooner than notBefore.
+		within, notBefore time.Duration
 	}{
-		{name: "linger flushes a small batch", size: 1000, linger: 50 * time.Millisecond, n: 10, within: time.Second},
+		{name: "linger flushes a small batch", size: 1000, linger: 50 * time.Millisecond, always: true, n: 10, within: time.Second},
+		{name: "a small batch waits for the linger", size: 1000, linger: 3 * time.Second, always: true, n: 10, within: 10 * time.Second, notBefore: 3 * time.Second},
 		{name: "a full batch does not wait for the linger", size: 5, linger: 10 * time.Second, n: 5, within: 2 * time.Second},
+		{name: "a lone record does not wait for the linger", size: 1000, linger: 10 * time.Second, n: 1, within: 2 * time.Second},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			db := pgtest.NewDB(t)
 			k := newKafka(t)
-			r := startIngester(t.Context(), t, k, db.Pool, "ingest-batching", IngestConfig{BatchSize: tt.size, BatchLinger: tt.linger}, nil)
+			r := startIngester(t.Context(), t, k, db.Pool, "ingest-batching", IngestConfig{BatchSize: tt.size, BatchLinger: tt.linger, AlwaysLinger: tt.always}, nil)
 			r.waitJoined(t)
 
 			msgs := make([]*sarama.ProducerMessage, tt.n)
@@ -676,8 +682,9 @@ func TestIngestBatching(t *testing.T) {
 			start := time.Now()
 			k.produce(t, msgs...)
 			waitRows(t, db.Pool, int64(tt.n), tt.within+5*time.Second)
-			if took := time.Since(start); took > tt.within {
-				t.Errorf("%d records stored %v after produce, want within %v (batch size %d, linger %v)", tt.n, took, tt.within, tt.size, tt.linger)
+			if took := time.Since(start); took > tt.within || took < tt.notBefore {
+				t.Errorf("%d records stored %v after produce, want within %v and not before %v (batch size %d, linger %v, always linger %v)",
+					tt.n, took, tt.within, tt.notBefore, tt.size, tt.linger, tt.always)
 			} else {
 				t.Logf("%d records stored %v after produce", tt.n, took)
 			}
@@ -782,7 +789,7 @@ func TestIngestShutdown(t *testing.T) {
 	ctx1, stop1 := context.WithCancel(t.Context())
 	var batches atomic.Int64
 	var stillProducing atomic.Bool
-	first := startIngester(ctx1, t, k, db.Pool, group, IngestConfig{BatchSize: 50, BatchLinger: time.Minute}, func() error {
+	first := startIngester(ctx1, t, k, db.Pool, group, IngestConfig{BatchSize: 50, BatchLinger: time.Minute, AlwaysLinger: true}, func() error {
 		if batches.Add(1) == stopAfter {
 			stillProducing.Store(producing.Load())
 			stop1()
@@ -850,4 +857,28 @@ func TestIngestShutdown(t *testing.T) {
 		}
 		return true, ""
 	})
+}
+
+// TestIngestBatchesFillWhileWriting checks that writing a batch before its
+// linger (nothing else read or written) does not turn a burst into a
+// statement per record: records that come while a statement runs wait for
+// it and go together.
+func TestIngestBatchesFillWhileWriting(t *testing.T) {
+	const n = 3000
+	db := pgtest.NewDB(t)
+	k := newKafka(t)
+	r := startIngester(t.Context(), t, k, db.Pool, "ingest-burst", IngestConfig{BatchSize: 1000, BatchLinger: 20 * time.Millisecond}, nil)
+	r.waitJoined(t)
+
+	msgs := make([]*sarama.ProducerMessage, n)
+	for i := range msgs {
+		msgs[i] = validRec(int32(i%2), fmt.Sprintf("k-%d", i), "v")
+	}
+	k.produce(t, msgs...)
+	waitRows(t, db.Pool, n, 30*time.Second)
+	statements := r.in.writer.statements.Load()
+	t.Logf("%d records in %d statements", n, statements)
+	if statements > n/20 {
+		t.Errorf("%d records took %d insert statements, want at most %d (batches of 20 records on average)", n, statements, n/20)
+	}
 }

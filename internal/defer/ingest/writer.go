@@ -32,6 +32,8 @@ type writer struct {
 
 	// statements and batches count what was written (the tests read them).
 	statements, batches atomic.Int64
+	// running is the number of statements under way.
+	running atomic.Int32
 }
 
 // writeRequest is one batch waiting for a statement, and where its result
@@ -122,6 +124,17 @@ func (w *writer) take() []*writeRequest {
 	return group
 }
 
+// idle reports whether no statement runs and no batch waits for one: a
+// batch written now goes at once, alone, and makes no other batch wait.
+func (w *writer) idle() bool {
+	if w.running.Load() > 0 {
+		return false
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return len(w.queue) == 0
+}
+
 // write stores group in one statement and answers each batch. When the
 // database refuses the statement for its data (see poison), each batch is
 // written again alone, so that one partition's bad record fails only that
@@ -137,6 +150,8 @@ func (w *writer) write(ctx context.Context, group []*writeRequest) {
 	}
 	w.statements.Add(1)
 	w.batches.Add(int64(len(group)))
+	w.running.Add(1)
+	defer w.running.Add(-1)
 	out, err := w.store.InsertBatches(sctx, batches)
 	if err != nil && len(group) > 1 && poison(err) {
 		for _, r := range group {
