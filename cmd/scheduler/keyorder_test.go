@@ -378,7 +378,12 @@ func TestBusinessKeyPartition(t *testing.T) {
 	other := (want + 1) % 4
 	produce(other, "rec-x", "elsewhere")
 
-	client, err := deferclient.New(deferclient.Config{Brokers: []string{s.brokers}, Group: "g"})
+	// No Group: a deferral that names one keeps the key blocked after each
+	// republish until that group commits past it (TestKeyOrderAckGating),
+	// and nothing here consumes the retry topic. The test once passed with
+	// a group only because both deferrals were stored in one statement
+	// and went out in one round.
+	client, err := deferclient.New(deferclient.Config{Brokers: []string{s.brokers}})
 	if err != nil {
 		t.Fatal(err)
 	}
