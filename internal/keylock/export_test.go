@@ -4,3 +4,6 @@ package keylock
 func NextShare(claims []Claim, empty, maxKeys, share int) int {
 	return nextShare(claims, empty, maxKeys, share)
 }
+
+// LockFree exposes lockFree to the tests of package keylock_test.
+func LockFree(claims []Claim, out Outcome) bool { return lockFree(claims, out) }

@@ -28,7 +28,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/sql/queries"
@@ -378,6 +380,66 @@ func sameClaim(a, b Claim) bool {
 // all in one implicit transaction (one pipelined round trip). Leases that are
 // no longer ours (expired and taken by another holder) are left alone.
 func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) error {
+	if !lockFree(claims, out) {
+		return l.finalize(ctx, claims, out, true)
+	}
+	err := l.finalize(ctx, claims, out, false)
+	var pe *pgconn.PgError
+	if errors.As(err, &pe) && pe.Code == pgerrcode.DeadlockDetected {
+		// Most likely an operator changed a claimed key's messages since
+		// the claim, so the delete left that key for the release to lock,
+		// out of key order (see lockFree). Again, with every lock taken
+		// in order first: nothing of the first attempt committed.
+		return l.finalize(ctx, claims, out, true)
+	}
+	return err
+}
+
+// lockFree reports whether a finalize of claims with out can leave out its
+// lock statements (dispatch_lock_messages.sql, dispatch_lock_keys.sql),
+// because one statement, the delete, takes every lock in the order they
+// keep: it locks the messages by their primary key, and the head trigger it
+// fires then locks their keys, all in one upsert in key order. That holds
+// when every claim published at least one message (so the trigger locks
+// every key the release writes after it), nothing was parked or failed
+// (the park and the back-off are statements of their own, after the
+// delete) and no message names a consumer group (the delete's own update
+// of in-flight keys would lock those before the trigger locks the rest).
+// This is nearly every round, and the two statements are a write of every
+// message and key row and a WAL record each (docs/benchmarks.md, "Finalize
+// without its lock statements").
+//
+// It is an assumption about the database, not a proof: between the claim
+// and the finalize an operator may cancel, park or move to another key
+// every message of a claimed key, which the delete then skips (or
+// refreshes under the other key), and the release locks that key last. Should an ingest statement hold it while waiting for a key this
+// finalize holds, Postgres reports a deadlock and aborts one of the two;
+// Finalize then runs again with the lock statements (above), and ingest
+// retries its batch.
+func lockFree(claims []Claim, out Outcome) bool {
+	if len(out.Parked) > 0 || len(out.Retry) > 0 || len(out.Published) == 0 {
+		return false
+	}
+	published := make(map[int64]bool, len(out.Published))
+	for _, id := range out.Published {
+		published[id] = true
+	}
+	for _, c := range claims {
+		sent := false
+		for _, m := range c.Messages {
+			if m.Group != "" {
+				return false
+			}
+			sent = sent || published[m.ID]
+		}
+		if !sent {
+			return false
+		}
+	}
+	return true
+}
+
+func (l *Locker) finalize(ctx context.Context, claims []Claim, out Outcome, lock bool) error {
 	var keys, retryKeys []string
 	var heads, retryHeads []int64
 	for _, c := range claims {
@@ -401,7 +463,8 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	}
 
 	// Locks first, messages before keys, each in order (see
-	// dispatch_lock_messages.sql); then the changes, under this finalize's
+	// dispatch_lock_messages.sql), unless the delete takes them so
+	// (lockFree); then the changes, under this finalize's
 	// name (dispatch_finalizing.sql), so that the head trigger deletes at
 	// once the row of a key it leaves without messages; then the rows of
 	// keys an operator emptied while this holder published them, unless a
@@ -411,10 +474,10 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 	// free and wake every dispatch loop at each commit (measured: a single
 	// key's dispatch fell from 15,000 to 6,000 msgs/s).
 	b := &pgx.Batch{}
-	if changed := append(append([]int64(nil), out.Published...), parkIDs...); len(changed) > 0 {
+	if changed := append(append([]int64(nil), out.Published...), parkIDs...); lock && len(changed) > 0 {
 		queries.QueueDispatchLockMessages(b, queries.DispatchLockMessagesParams{IDs: changed})
 	}
-	if len(keys) > 0 {
+	if lock && len(keys) > 0 {
 		queries.QueueDispatchLockKeys(b, queries.DispatchLockKeysParams{Keys: keys})
 	}
 	queries.QueueDispatchFinalizing(b, queries.DispatchFinalizingParams{Owner: l.cfg.Owner})

@@ -5,4 +5,7 @@
 -- messages and then locks keys. Without steps 1 and 2, finalize's delete,
 -- park and release would take key locks one statement after another, and
 -- could wait for a key while holding one that someone else waits for.
+-- A round whose delete is its only locking statement before the release
+-- leaves steps 1 and 2 out: the delete and its head trigger take the same
+-- locks in the same order (internal/keylock's lockFree, docs/design.md 4.6).
 SELECT FROM deferred_message WHERE id = ANY ($1::bigint[]) ORDER BY id FOR UPDATE
