@@ -412,10 +412,11 @@ func (l *Locker) Finalize(ctx context.Context, claims []Claim, out Outcome) erro
 // It is an assumption about the database, not a proof: between the claim
 // and the finalize an operator may cancel, park or move to another key
 // every message of a claimed key, which the delete then skips (or
-// refreshes under the other key), and the release locks that key last. Should an ingest statement hold it while waiting for a key this
-// finalize holds, Postgres reports a deadlock and aborts one of the two;
-// Finalize then runs again with the lock statements (above), and ingest
-// retries its batch.
+// refreshes under the other key), and the release locks that key last.
+// Should an ingest statement hold it while waiting for a key this finalize
+// holds, Postgres reports a deadlock and aborts one of the two; Finalize
+// then runs again with the lock statements (above), and ingest retries its
+// batch.
 func lockFree(claims []Claim, out Outcome) bool {
 	if len(out.Parked) > 0 || len(out.Retry) > 0 || len(out.Published) == 0 {
 		return false
