@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kfake"
 	"github.com/twmb/franz-go/pkg/kmsg"
 )
 
@@ -19,24 +21,7 @@ import (
 // retries (sarama itself tries twice).
 func TestReadBackRetriesDroppedConnection(t *testing.T) {
 	const topic, parts, n = "readback", 4, 40
-	c, addr, err := startKafka(parts, topic)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	pc := kafkaConfig()
-	pc.Producer.Return.Successes = true
-	prod, err := sarama.NewSyncProducer([]string{addr}, pc)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer prod.Close()
-	for i := range n {
-		m := &sarama.ProducerMessage{Topic: topic, Partition: int32(i % parts), Value: sarama.ByteEncoder(payload(i))}
-		if _, _, err := prod.SendMessage(m); err != nil {
-			t.Fatal(err)
-		}
-	}
+	c, addr := filledTopic(t, topic, parts, func(int32) int { return n / parts })
 
 	var dropped atomic.Int32
 	c.ControlKey(kmsg.ListOffsets.Int16(), func(kmsg.Request) (kmsg.Response, error, bool) {
@@ -94,4 +79,97 @@ func TestTrackPollsPastFailedCounts(t *testing.T) {
 			}
 		})
 	}
+}
+
+// The watcher counts a topic's records with one ListOffsets request per
+// leader, whatever the partitions: track polls it every 10ms during a
+// measured phase, and a request per partition made it a load on the
+// broker that grew with them. The count is the sum of the high-water
+// marks, and a partition's error in the answer fails the count, naming it.
+func TestWatcherCountsWithOneRequest(t *testing.T) {
+	const topic, parts = "watched", 64
+	// Partition p holds p%3 records: some empty, the rest unequal.
+	want := 0
+	c, addr := filledTopic(t, topic, parts, func(p int32) int { want += int(p % 3); return int(p % 3) })
+	w, err := newWatcher(addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.close()
+	if _, err := w.count(topic); err != nil { // metadata and the connection, before counting requests
+		t.Fatalf("count: %v", err)
+	}
+
+	var requests, blocks atomic.Int32
+	c.ControlKey(kmsg.ListOffsets.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		requests.Add(1)
+		for _, rt := range req.(*kmsg.ListOffsetsRequest).Topics {
+			blocks.Add(int32(len(rt.Partitions)))
+		}
+		return nil, nil, false
+	})
+	got, err := w.count(topic)
+	if err != nil {
+		t.Fatalf("count: %v", err)
+	}
+	if got != int64(want) {
+		t.Fatalf("count = %d, want the %d records produced", got, want)
+	}
+	if r, b := requests.Load(), blocks.Load(); r != 1 || b != parts {
+		t.Fatalf("count sent %d ListOffsets requests asking for %d partitions, want 1 asking for all %d", r, b, parts)
+	}
+
+	c.ControlKey(kmsg.ListOffsets.Int16(), func(req kmsg.Request) (kmsg.Response, error, bool) {
+		c.KeepControl()
+		resp := req.ResponseKind().(*kmsg.ListOffsetsResponse)
+		for _, rt := range req.(*kmsg.ListOffsetsRequest).Topics {
+			st := kmsg.NewListOffsetsResponseTopic()
+			st.Topic = rt.Topic
+			for _, rp := range rt.Partitions {
+				sp := kmsg.NewListOffsetsResponseTopicPartition()
+				sp.Partition = rp.Partition
+				sp.Offset = 10
+				if rp.Partition == 7 {
+					sp.ErrorCode = kerr.NotLeaderForPartition.Code
+				}
+				st.Partitions = append(st.Partitions, sp)
+			}
+			resp.Topics = append(resp.Topics, st)
+		}
+		return resp, nil, true
+	})
+	if n, err := w.count(topic); err == nil || !strings.Contains(err.Error(), "high-water mark of watched/7") {
+		t.Fatalf("count with partition 7 refused: %d, %v; want an error naming the partition", n, err)
+	}
+}
+
+// filledTopic starts an in-process broker with topic on parts partitions,
+// closed when the test ends, and produces records(p) records to each
+// partition p, numbered from 0 across the topic (payload).
+func filledTopic(t *testing.T, topic string, parts int32, records func(p int32) int) (*kfake.Cluster, string) {
+	t.Helper()
+	c, addr, err := startKafka(parts, topic)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(c.Close)
+	pc := kafkaConfig()
+	pc.Producer.Return.Successes = true
+	prod, err := sarama.NewSyncProducer([]string{addr}, pc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prod.Close()
+	i := 0
+	for p := range parts {
+		for range records(p) {
+			m := &sarama.ProducerMessage{Topic: topic, Partition: p, Value: sarama.ByteEncoder(payload(i))}
+			if _, _, err := prod.SendMessage(m); err != nil {
+				t.Fatal(err)
+			}
+			i++
+		}
+	}
+	return c, addr
 }
