@@ -153,6 +153,14 @@ func TestMetricsFollowAScriptedRun(t *testing.T) {
 			t.Errorf("%s{result=%s} should start at 0", metrics.IngestRecords, result)
 		}
 	}
+	// The collector's settings (internal/service: memoryLimit, gcPercent),
+	// as Go's runtime reports them: the soft limit of the defaults, and
+	// GOGC=200 under it.
+	limit, _ := s.value("go_gc_gomemlimit_bytes")
+	gogc, _ := s.value("go_gc_gogc_percent")
+	if limit != 160<<20 || gogc != 200 {
+		t.Errorf("go_gc_gomemlimit_bytes %v, go_gc_gogc_percent %v; want the defaults' %d and 200", limit, gogc, 160<<20)
+	}
 	if !s.is(1, metrics.BuildInfo, "version", "dev") {
 		t.Errorf("%s{version=dev} = 1 missing", metrics.BuildInfo)
 	}

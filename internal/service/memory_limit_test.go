@@ -39,3 +39,24 @@ func TestMemoryLimit(t *testing.T) {
 		t.Errorf("the default limit %d bytes is above the documented 256 MB bound", got)
 	}
 }
+
+// Under its own memory limit the service collects at GOGC=200, unless the
+// operator set GOGC.
+func TestGCPercent(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		gogc string
+		want int
+		set  bool
+	}{
+		{"unset", "", 200, true},
+		{"GOGC wins", "100", 0, false},
+		{"GOGC=off wins", "off", 0, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if got, set := gcPercent(tt.gogc); got != tt.want || set != tt.set {
+				t.Errorf("gcPercent(%q) = %d, %v; want %d, %v", tt.gogc, got, set, tt.want, tt.set)
+			}
+		})
+	}
+}
