@@ -281,13 +281,12 @@ func memoryLimit(cfg config.Config, gomemlimit string) (int64, bool) {
 // requests built from them); with Go's default of 100 the collector ran
 // about once per round, and took over a quarter of the service's CPU
 // while a backlog drained (docs/benchmarks.md, "The collector once per
-// round").
-// At 200 the heap may grow to three times the live bytes before a
-// collection, twice the allocation between two, but never past the soft
-// memory limit, which stays what bounds the process's memory: gcPercent
-// is applied only beside it.
-// 400 saved little more CPU and raised the peak RSS of small records
-// from about 92 MB to 160 MB, past the 150 MB the bench holds it to.
+// round"). At 200 the heap may grow to three times the live bytes before
+// a collection, twice the allocation between two, but never past the
+// soft memory limit, which stays what bounds the process's memory:
+// gcPercent is applied only beside it. 400 saved little more CPU and
+// raised the peak RSS of small records from about 92 MB to 160 MB, past
+// the 150 MB the bench holds it to.
 func gcPercent(gogc string) (int, bool) {
 	if gogc != "" {
 		return 0, false
