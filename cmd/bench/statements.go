@@ -218,6 +218,10 @@ func (lb *stmtLabeler) label(query string) string {
 		name, _, _ = strings.Cut(name, " ")
 		return "River " + name
 	}
+	if table, ok := strings.CutPrefix(text, "copy "); ok { // pgx's CopyFrom: ingest's queries.IngestCopy
+		table, _, _ = strings.Cut(table, " ")
+		return "COPY " + strings.Trim(table, `"`) + " (queries.IngestCopy)"
+	}
 	words := clip(text, 48)
 	// The text up to the first parameter, long enough to be telling.
 	probe, _, _ := strings.Cut(text, "$")

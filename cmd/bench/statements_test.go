@@ -157,6 +157,8 @@ func TestStatementLabel(t *testing.T) {
 			"deferred_key_after_delete: SELECT deferred_key_refresh(coalesce(keys, $…"},
 		{"a function's statement", "SELECT array_agg(DISTINCT business_key ORDER BY business_key)\n   FILTER (WHERE business_key IS NOT NULL), array_agg(id) FILTER (WHERE business_key IS NULL AND state = $1)",
 			"deferred_key_after_delete: SELECT array_agg(DISTINCT business_key ORDER…"},
+		{"ingest's COPY, as pgx sends it", `copy "deferred_message" ( "id", "source_topic" ) from stdin binary;`,
+			"COPY deferred_message (queries.IngestCopy)"},
 		{"anything else, short", "SELECT   1", "SELECT 1"},
 		{"anything else, long", long, clip(long, 48)},
 	} {

@@ -54,7 +54,7 @@ type Config struct {
 
 	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records per batch of one partition, and per insert statement"`
 	IngestBatchBytes  int           `env:"INGEST_BATCH_BYTES" envDefault:"4194304" form:"integer 1024..268435456" help:"bytes of records per batch of one partition, and per insert statement; a larger record is written alone"`
-	IngestWriters     int           `env:"INGEST_WRITERS" envDefault:"2" form:"integer 1..64" help:"insert statements ingest runs at once; batches of other partitions that are ready meanwhile go together in the next one"`
+	IngestWriters     int           `env:"INGEST_WRITERS" envDefault:"2" form:"integer 1..64" help:"writes (a COPY or an insert statement) ingest runs at once; batches of other partitions that are ready meanwhile go together in the next one"`
 	IngestBufferBytes int           `env:"INGEST_BUFFER_BYTES" envDefault:"33554432" form:"integer 1048576..4294967296" help:"bytes of records ingest holds at once, read from Kafka and not yet stored, over every partition it consumes (fetched, queued and batched); a larger record is still read, alone"`
 	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill; it goes at once when nothing else is being written"`
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
@@ -77,6 +78,69 @@ func (r *IngestInsertRow) dest() []any {
 // (ingest_insert.sql), returning a row per batch in partition order.
 func IngestInsert(ctx context.Context, db DBTX, p IngestInsertParams) ([]IngestInsertRow, error) {
 	return collect(ctx, db, ingestInsertSQL, p.args(), (*IngestInsertRow).dest)
+}
+
+// IngestPrepareParams are ingest_prepare.sql's parameters: one element per
+// batch in each slice but Topic and the marks.
+type IngestPrepareParams struct {
+	Topic         string  // $1
+	Partitions    []int32 // $2
+	NextOffsets   []int64 // $3: the partition's next offset once stored
+	Expected      []int64 // $4: the stored position the writer left, -1 for none
+	Epochs        []int32 // $5
+	Records       []int32 // $6: how many records the batch holds
+	FreshSeqs     []int32 // $7: how many of them need a fresh seq
+	MinID, MinSeq int64   // $8, $9: the writer's high-water marks
+}
+
+func (p IngestPrepareParams) args() []any {
+	return []any{p.Topic, p.Partitions, p.NextOffsets, p.Expected, p.Epochs, p.Records, p.FreshSeqs, p.MinID, p.MinSeq}
+}
+
+// IngestPrepareRow is what ingest_prepare.sql returns: the transaction's
+// now(), the partitions whose position matched (in partition order), and
+// the ids and fresh seqs drawn for their records, in the order they are to
+// be taken.
+type IngestPrepareRow struct {
+	Now     time.Time `db:"now"`
+	Matched []int32   `db:"matched"`
+	IDs     []int64   `db:"ids"`
+	Seqs    []int64   `db:"seqs"`
+}
+
+func (r *IngestPrepareRow) dest() []any { return []any{&r.Now, &r.Matched, &r.IDs, &r.Seqs} }
+
+// IngestPrepare checks and moves the positions of batches about to be
+// copied and draws their ids and seqs (ingest_prepare.sql). Run it in the
+// transaction that then calls IngestCopy.
+func IngestPrepare(ctx context.Context, db DBTX, p IngestPrepareParams) (IngestPrepareRow, error) {
+	return one(ctx, db, ingestPrepareSQL, p.args(), (*IngestPrepareRow).dest)
+}
+
+// IngestCopyColumns are the columns of deferred_message that IngestCopy
+// writes, in the order of each row's values; the others take their
+// defaults (created_at and updated_at: the transaction's now()).
+var IngestCopyColumns = []string{
+	"id", "source_topic", "source_partition", "source_epoch", "source_offset", "business_key", "seq",
+	"target_topic", "next_run_at", "attempt", "state", "reason", "error_class", "error_message", "origin_id",
+	"key", "value", "header_keys", "header_values", "park_holds_key", "parked_at", "dlq_topic",
+	"redrive_count", "group_id", "gated",
+}
+
+// Copier copies rows into a table: a pgx.Tx (or a *pgx.Conn, a
+// *pgxpool.Pool, though IngestCopy belongs in ingest_prepare.sql's
+// transaction).
+type Copier interface {
+	CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error)
+}
+
+// IngestCopy writes rows into deferred_message with COPY, each row's values
+// in the order of IngestCopyColumns, and returns how many it wrote. COPY
+// has no ON CONFLICT: a row already stored (deferred_message_source_unique)
+// fails the whole COPY with a unique violation, and the transaction with
+// it. The table's triggers run as for an INSERT.
+func IngestCopy(ctx context.Context, db Copier, rows pgx.CopyFromSource) (int64, error) {
+	return db.CopyFrom(ctx, pgx.Identifier{"deferred_message"}, IngestCopyColumns, rows)
 }
 
 // IngestPositionsParams are ingest_positions.sql's parameters.

@@ -3,6 +3,9 @@
 -- ingest's writers combined because they were ready at once (see
 -- internal/defer/ingest's writer; one statement's fixed cost, its
 -- triggers' statements included, is then paid once for all of them).
+-- Ingest uses it for writes of fewer than 50 records, and for a larger one
+-- whose COPY found a record stored before; the rest go in by COPY
+-- (ingest_prepare.sql, and internal/defer/ingest's Store, say why).
 -- Per batch, one element each: $2 the partition, $25 its epoch (see
 -- migration 0005), $20 its next offset to read, recorded by the same
 -- statement so that the rows and the position commit together (see

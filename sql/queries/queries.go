@@ -96,6 +96,8 @@ var (
 	ingestInsertSQL string
 	//go:embed ingest_position_set.sql
 	ingestPositionSetSQL string
+	//go:embed ingest_prepare.sql
+	ingestPrepareSQL string
 	//go:embed ingest_positions.sql
 	ingestPositionsSQL string
 	//go:embed key_state.sql
@@ -148,6 +150,7 @@ func files() map[string]string {
 		"inflight_release.sql":           inflightReleaseSQL,
 		"ingest_insert.sql":              ingestInsertSQL,
 		"ingest_position_set.sql":        ingestPositionSetSQL,
+		"ingest_prepare.sql":             ingestPrepareSQL,
 		"ingest_positions.sql":           ingestPositionsSQL,
 		"key_state.sql":                  keyStateSQL,
 		"instance_heartbeat.sql":         instanceHeartbeatSQL,
@@ -196,6 +199,7 @@ func Statements() []Statement {
 		st("ingest_insert.sql", IngestInsertParams{}, IngestInsertRow{}),
 		st("ingest_positions.sql", IngestPositionsParams{}, IngestPositionsRow{}),
 		st("ingest_position_set.sql", IngestPositionSetParams{}, IngestPositionSetRow{}),
+		st("ingest_prepare.sql", IngestPrepareParams{}, IngestPrepareRow{}),
 		st("dispatch_claim.sql", DispatchClaimParams{}, DispatchClaimRow{}),
 		st("dispatch_claim_target.sql", DispatchClaimTargetParams{}, DispatchClaimRow{}),
 		st("dispatch_claim_express.sql", DispatchClaimExpressParams{}, DispatchClaimRow{}),

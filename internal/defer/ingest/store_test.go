@@ -887,15 +887,16 @@ func TestStoreInsertKeepsSequencesPastMarks(t *testing.T) {
 	}
 }
 
-// BenchmarkStoreInsert stores batches of 1,000 typical first deferrals, as
-// ingest does. Its time is mostly Postgres's; its allocations per batch
-// (-benchmem) are the service's own cost of encoding the batch, and do not
-// depend on the machine.
 // BenchmarkStoreInsert stores batches of typical first deferrals: one
-// partition's batch of 6, 50 and 1,000 records, and 64 partitions' batches
-// of 6 in one statement (what ingest's writer combines when a live stream
-// is spread over many partitions). us/rec compares them: a statement's
-// fixed cost is paid once per batch, or once for the 64.
+// partition's batch of 6, 50, 200 and 1,000 records, and 64 partitions'
+// batches of 6 in one statement (what ingest's writer combines when a live
+// stream is spread over many partitions), each through both paths: COPY
+// (path=copy) and the INSERT statement (path=statement). us/rec compares
+// them: a statement's fixed cost is paid once per batch, or once for the
+// 64; COPY's round trips cost a small batch more than its rows save, which
+// sets copyMinRecords. Its time is mostly Postgres's; its allocations per
+// batch (-benchmem) are the service's own cost of encoding the batch, and
+// do not depend on the machine.
 func BenchmarkStoreInsert(b *testing.B) {
 	for _, tc := range []struct {
 		name             string
@@ -903,53 +904,66 @@ func BenchmarkStoreInsert(b *testing.B) {
 	}{
 		{"batch=6", 1, 6},
 		{"batch=50", 1, 50},
+		{"batch=200", 1, 200},
 		{"batch=1000", 1, 1000},
 		{"64_partitions_x6_in_one_statement", 64, 6},
 	} {
-		b.Run(tc.name, func(b *testing.B) {
-			db := pgtest.NewDB(b)
-			store := NewStore(db.Pool, nil)
-			rules := ingestRules()
-			batches := make([]Batch, tc.partitions)
-			for p := range batches {
-				batches[p] = Batch{Pos: Position{Topic: "scheduler.defer", Partition: int32(p), Next: NoPosition},
-					Entries: make([]Entry, tc.size)}
+		for _, viaCopy := range []bool{true, false} {
+			path := "path=statement"
+			if viaCopy {
+				path = "path=copy"
 			}
-			var offset int64
-			b.ReportAllocs()
-			for b.Loop() {
+			b.Run(path+"/"+tc.name, func(b *testing.B) {
+				db := pgtest.NewDB(b)
+				store := NewStore(db.Pool, nil)
+				rules := ingestRules()
+				batches := make([]Batch, tc.partitions)
 				for p := range batches {
-					for i := range batches[p].Entries {
-						// A typical first deferral: six headers, one of them
-						// the producer's own, and its own business key.
-						key := fmt.Sprintf("order-%d-%d", p, offset+int64(i))
-						rec := protocol.Record{
-							Key:   []byte(key),
-							Value: []byte(`{"order_id":1234567,"status":"created"}`),
-							Headers: hs("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-								protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "30s", protocol.HeaderKey, key,
-								protocol.HeaderErrorClass, "TimeoutException", protocol.HeaderErrorMessage, "inventory service: deadline exceeded after 5s"),
+					batches[p] = Batch{Pos: Position{Topic: "scheduler.defer", Partition: int32(p), Next: NoPosition},
+						Entries: make([]Entry, tc.size)}
+				}
+				var offset int64
+				b.ReportAllocs()
+				for b.Loop() {
+					for p := range batches {
+						for i := range batches[p].Entries {
+							// A typical first deferral: six headers, one of them
+							// the producer's own, and its own business key.
+							key := fmt.Sprintf("order-%d-%d", p, offset+int64(i))
+							rec := protocol.Record{
+								Key:   []byte(key),
+								Value: []byte(`{"order_id":1234567,"status":"created"}`),
+								Headers: hs("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+									protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "30s", protocol.HeaderKey, key,
+									protocol.HeaderErrorClass, "TimeoutException", protocol.HeaderErrorMessage, "inventory service: deadline exceeded after 5s"),
+							}
+							sc, err := protocol.Parse(rec, rules, time.Now())
+							if err != nil {
+								b.Fatal(err)
+							}
+							batches[p].Entries[i] = Entry{Offset: offset + int64(i), Record: rec, Schedule: sc}
 						}
-						sc, err := protocol.Parse(rec, rules, time.Now())
-						if err != nil {
-							b.Fatal(err)
+					}
+					var out []BatchResult
+					var err error
+					if viaCopy {
+						out, err = store.copyBatches(b.Context(), "scheduler.defer", batches)
+					} else {
+						out, err = store.insertBatches(b.Context(), "scheduler.defer", tc.partitions*tc.size, batches)
+					}
+					if err != nil {
+						b.Fatal(err)
+					}
+					offset += int64(tc.size)
+					for p := range batches {
+						if out[p].Err != nil || out[p].Stored != int64(tc.size) {
+							b.Fatalf("partition %d: stored %d, %v", p, out[p].Stored, out[p].Err)
 						}
-						batches[p].Entries[i] = Entry{Offset: offset + int64(i), Record: rec, Schedule: sc}
+						batches[p].Pos.Next = offset
 					}
 				}
-				out, err := store.InsertBatches(b.Context(), batches)
-				if err != nil {
-					b.Fatal(err)
-				}
-				offset += int64(tc.size)
-				for p := range batches {
-					if out[p].Err != nil || out[p].Stored != int64(tc.size) {
-						b.Fatalf("partition %d: stored %d, %v", p, out[p].Stored, out[p].Err)
-					}
-					batches[p].Pos.Next = offset
-				}
-			}
-			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*tc.partitions*tc.size), "us/rec")
-		})
+				b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*tc.partitions*tc.size), "us/rec")
+			})
+		}
 	}
 }

@@ -9,6 +9,8 @@ import (
 
 // writer stores the batches of every partition an Ingester consumes, with
 // at most a fixed number of insert statements running at once (its slots).
+// A "statement" here is one Store.InsertBatches: a COPY in its own
+// transaction from copyMinRecords records on, the INSERT statement below.
 // A batch that comes while every slot is busy waits, and goes in the next
 // statement together with every other batch that waited meanwhile, up to
 // one batch's bounds (maxRecords, maxBytes): group commit. A batch that
