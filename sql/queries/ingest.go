@@ -117,14 +117,18 @@ func IngestPrepare(ctx context.Context, db DBTX, p IngestPrepareParams) (IngestP
 	return one(ctx, db, ingestPrepareSQL, p.args(), (*IngestPrepareRow).dest)
 }
 
-// IngestCopyColumns are the columns of deferred_message that IngestCopy
-// writes, in the order of each row's values; the others take their
-// defaults (created_at and updated_at: the transaction's now()).
-var IngestCopyColumns = []string{
-	"id", "source_topic", "source_partition", "source_epoch", "source_offset", "business_key", "seq",
-	"target_topic", "next_run_at", "attempt", "state", "reason", "error_class", "error_message", "origin_id",
-	"key", "value", "header_keys", "header_values", "park_holds_key", "parked_at", "dlq_topic",
-	"redrive_count", "group_id", "gated",
+// IngestCopyColumns returns the columns of deferred_message that
+// IngestCopy writes, in the order of each row's values; the others take
+// their defaults (created_at and updated_at: the transaction's now()).
+// internal/defer/ingest's TestStoreCopyMatchesStatement checks that a row
+// copied holds what the INSERT statement stores.
+func IngestCopyColumns() []string {
+	return []string{
+		"id", "source_topic", "source_partition", "source_epoch", "source_offset", "business_key", "seq",
+		"target_topic", "next_run_at", "attempt", "state", "reason", "error_class", "error_message", "origin_id",
+		"key", "value", "header_keys", "header_values", "park_holds_key", "parked_at", "dlq_topic",
+		"redrive_count", "group_id", "gated",
+	}
 }
 
 // Copier copies rows into a table: a pgx.Tx (or a *pgx.Conn, a
@@ -135,12 +139,12 @@ type Copier interface {
 }
 
 // IngestCopy writes rows into deferred_message with COPY, each row's values
-// in the order of IngestCopyColumns, and returns how many it wrote. COPY
+// in the order of IngestCopyColumns(), and returns how many it wrote. COPY
 // has no ON CONFLICT: a row already stored (deferred_message_source_unique)
 // fails the whole COPY with a unique violation, and the transaction with
 // it. The table's triggers run as for an INSERT.
 func IngestCopy(ctx context.Context, db Copier, rows pgx.CopyFromSource) (int64, error) {
-	return db.CopyFrom(ctx, pgx.Identifier{"deferred_message"}, IngestCopyColumns, rows)
+	return db.CopyFrom(ctx, pgx.Identifier{"deferred_message"}, IngestCopyColumns(), rows)
 }
 
 // IngestPositionsParams are ingest_positions.sql's parameters.

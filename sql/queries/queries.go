@@ -28,6 +28,12 @@
 // To add a statement: a .sql file whose header comment documents its
 // parameters, its Params and Row types (with args and dest in field order),
 // its function, and its entry in Statements.
+//
+// One write has no file: IngestCopy, ingest's COPY into deferred_message,
+// which runs after ingest_prepare.sql in one transaction. Its columns are
+// IngestCopyColumns; no statement describes them, so what it stores is
+// checked against ingest_insert.sql's rows instead
+// (internal/defer/ingest's TestStoreCopyMatchesStatement).
 package queries
 
 import (

@@ -280,7 +280,7 @@ func (c *copySource) Next() bool {
 	return false
 }
 
-// Values returns the current entry's row, in queries.IngestCopyColumns
+// Values returns the current entry's row, in queries.IngestCopyColumns()
 // order, with what ingest_insert.sql would have stored.
 func (c *copySource) Values() ([]any, error) {
 	b := &c.batches[c.k]
