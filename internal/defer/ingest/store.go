@@ -89,9 +89,9 @@ func NewStore(pool *pgxpool.Pool, marks *highwater.Marks) *Store {
 }
 
 // Insert stores the entries read from one partition after pos in one
-// statement (so in one transaction), together with the partition's next
+// transaction (see InsertBatches), together with the partition's next
 // offset (the last entry's plus one), and returns how many were new, and how
-// many of those were rejected and parked. The statement checks that the
+// many of those were rejected and parked. The write checks that the
 // partition's stored position is still pos: if not, it stores nothing and
 // Insert returns an error wrapping ErrPositionMoved. Entries stored before
 // (the same topic, partition, epoch and offset) are skipped. Entries must be
