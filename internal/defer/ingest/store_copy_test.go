@@ -262,7 +262,8 @@ func TestStoreCopyPositionMoved(t *testing.T) {
 // TestStoreCopyFallsBack checks what InsertBatches does with a batch large
 // enough for COPY that holds a record stored before: the COPY fails whole
 // on the unique source coordinates, and the INSERT statement stores the
-// rest, as it would have alone.
+// rest, as it would have alone. A write one record smaller goes to the
+// statement directly.
 func TestStoreCopyFallsBack(t *testing.T) {
 	ctx := context.Background()
 	db := pgtest.NewDB(t)
@@ -302,6 +303,28 @@ func TestStoreCopyFallsBack(t *testing.T) {
 	}
 	if first <= before+int64(len(entries)) {
 		t.Errorf("first id stored %d, last drawn before %d: no COPY was tried before the statement", first, before)
+	}
+
+	// One record fewer, the same duplicate: the statement alone, so no id
+	// is drawn by a COPY rolled back.
+	small := entries[:copyMinRecords-1]
+	for i := range small {
+		small[i].Offset = 1000 + int64(i)
+	}
+	small[7].Offset = small[6].Offset
+	before = lastID()
+	pos := Position{Topic: storeTopic, Partition: 0, Next: int64(len(entries)) - 1}
+	if n, err = store.Insert(ctx, pos, small); err != nil {
+		t.Fatal(err)
+	}
+	if n.Stored != int64(len(small)-1) {
+		t.Errorf("stored %d of %d records, one of them twice; want %d", n.Stored, len(small), len(small)-1)
+	}
+	if err := db.Pool.QueryRow(ctx, "SELECT min(id) FROM deferred_message WHERE source_offset >= 1000").Scan(&first); err != nil {
+		t.Fatal(err)
+	}
+	if first != before+1 {
+		t.Errorf("a write of %d records: first id stored %d, last drawn before %d; want the next id, from the statement alone", len(small), first, before)
 	}
 }
 
