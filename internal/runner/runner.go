@@ -137,6 +137,13 @@ type Runtime struct {
 	// dlqWake makes the dead-letter publisher look at once (a loop parked
 	// something). It holds one wake-up; more coalesce.
 	dlqWake chan struct{}
+	// loopWake is the one subscription to the waker that every loop of
+	// this process sleeps on (nil: no waker). It holds one wake-up, so a
+	// notification wakes one sleeping loop, not all of them: woken
+	// together, every loop claimed and all but one found nothing, on every
+	// ingest commit (docs/design.md section 10). unsubscribeLoops ends it.
+	loopWake         <-chan struct{}
+	unsubscribeLoops func()
 	// unsubscribe ends the job-outcome subscription; eventsDone says its
 	// reader has returned.
 	unsubscribe func()
@@ -177,7 +184,8 @@ func New(pool *pgxpool.Pool, producer dispatch.Producer, waker *Waker, cfg Confi
 		cfg.Dispatch.Sleeping = new(atomic.Int32)
 	}
 	rt := &Runtime{pool: pool, producer: producer, waker: waker, cfg: cfg, logger: logger.With("component", "dispatch"),
-		dlqLogger: logger.With("component", "dlq"), stop: make(chan struct{}), dlqWake: make(chan struct{}, 1)}
+		dlqLogger: logger.With("component", "dlq"), stop: make(chan struct{}), dlqWake: make(chan struct{}, 1),
+		unsubscribeLoops: func() {}}
 
 	workers := river.NewWorkers()
 	if err := river.AddWorkerSafely(workers, &loopWorker{rt: rt}); err != nil {
@@ -214,6 +222,9 @@ func New(pool *pgxpool.Pool, producer dispatch.Producer, waker *Waker, cfg Confi
 		return nil, fmt.Errorf("river client: %w", err)
 	}
 	rt.client = client
+	if waker != nil {
+		rt.loopWake, rt.unsubscribeLoops = waker.Subscribe()
+	}
 	return rt, nil
 }
 
@@ -483,6 +494,7 @@ func (rt *Runtime) Stop(ctx context.Context) error {
 	if err := rt.client.Stop(ctx); err != nil {
 		return fmt.Errorf("stop river: %w", err)
 	}
+	rt.unsubscribeLoops()
 	rt.stopCountingJobOutcomes()
 	if rt.liveness != nil {
 		rt.liveness()
@@ -574,15 +586,9 @@ func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
 	if err != nil {
 		return err
 	}
-	var wake <-chan struct{}
-	if rt.waker != nil {
-		ch, unsubscribe := rt.waker.Subscribe()
-		defer unsubscribe()
-		wake = ch
-	}
 	cfg := rt.cfg.Dispatch
 	cfg.OnParked = rt.parked
-	d, err := dispatch.New(locker, rt.producer, wake, cfg, rt.logger.With("loop", job.Args.Slot))
+	d, err := dispatch.New(locker, rt.producer, rt.loopWake, cfg, rt.logger.With("loop", job.Args.Slot))
 	if err != nil {
 		return err
 	}

@@ -11,6 +11,8 @@ import (
 	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/dispatchtest"
 	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/metrics"
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/riverqueue/river"
 	"github.com/riverqueue/river/rivertype"
 	"github.com/twmb/franz-go/pkg/kfake"
@@ -323,5 +325,59 @@ func TestRuntimeExpressRounds(t *testing.T) {
 			<-turns
 			col.Wait(t, 1, 5*time.Second)
 		})
+	}
+}
+
+// A notification wakes one sleeping loop of the process, not every one:
+// woken together, each loop claimed and all but one found nothing, on
+// every ingest commit. The main claims are counted by the claim-turn wait
+// each one records.
+func TestNotificationWakesOneLoop(t *testing.T) {
+	e := dispatchtest.New(t)
+	waker := NewWaker(e.Pool, 5*time.Millisecond, dispatchtest.Logger())
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go waker.Run(ctx)
+	reg := prometheus.NewRegistry()
+	rt, err := New(e.Pool, e.Producer, waker, Config{
+		Instance: "test", Loops: 4, Workers: 4, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Minute,
+		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
+			Metrics: metrics.New(reg, "test")},
+	}, dispatchtest.Logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Stop(context.Background())
+	claims := func() uint64 {
+		t.Helper()
+		fams, err := reg.Gather()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range fams {
+			if f.GetName() == metrics.DispatchClaimWait {
+				return f.GetMetric()[0].GetHistogram().GetSampleCount()
+			}
+		}
+		return 0
+	}
+	// Every loop has claimed once and sleeps its poll interval (5 s).
+	deadline := time.Now().Add(10 * time.Second)
+	for claims() < 4 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 4 loops claimed", claims())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond)
+	before := claims()
+	e.Exec("NOTIFY " + NotifyChannel)
+	time.Sleep(time.Second)
+	if got := claims() - before; got != 1 {
+		t.Fatalf("one notification, %d claims; want one loop woken", got)
 	}
 }

@@ -72,7 +72,8 @@ func (w *Waker) Run(ctx context.Context) {
 		}
 		failures++
 		w.logger.Warn("notification listener lost its connection; polling meanwhile", "error", err)
-		// Wake everyone: notifications may have been missed while down.
+		// Wake every subscriber (the loops share one subscription, so one
+		// of them): notifications may have been missed while down.
 		w.Broadcast()
 		backoff.Sleep(ctx, backoff.Exp(failures, 100*time.Millisecond, 5*time.Second))
 	}
