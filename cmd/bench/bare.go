@@ -670,6 +670,14 @@ func (r *results) writeOnlyDurability(w io.Writer, s *summary) {
 	writeLateness(w, cfg, []lateRow{{"scheduler", own.late}, {"scheduler, after a VACUUM", own.lateVacuumed}})
 	r.writeDurability(w, s.vals)
 	v := s.vals
+	fmt.Fprintln(w, "\nCOMPARED WITH THE TARGETS")
+	tw = tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
+	target := targetRow(tw)
+	if own.late != nil {
+		latenessTargets(target, cfg, v)
+	}
+	durabilityTargets(target, v)
+	tw.Flush()
 	fmt.Fprintf(w, "\nCHECKS: %s of %s messages of the service delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",
 		group(v["delivered"]), group(v["expected"]), group(v["out_of_order"]), group(v["duplicates"]))
 	fmt.Fprintln(w, s.resultLine())

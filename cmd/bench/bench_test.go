@@ -83,7 +83,7 @@ func TestSmokeRun(t *testing.T) {
 	}
 	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE",
 		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "CONSOLE PAGES", "machine:", "speed:", "database: PostgreSQL",
-		"PARTITIONS", "BARE DURABLE QUEUE"} {
+		"PARTITIONS", "BARE DURABLE QUEUE", "end to end / bare durable queue", "end to end, 64 partitions / 4"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
 		}
@@ -161,10 +161,14 @@ func TestSmokeOnlyDurability(t *testing.T) {
 		only    string
 		keys    []string
 		section string
+		// target is a row the targets table must have.
+		target string
 	}{
-		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare"}, "BARE DURABLE QUEUE"},
-		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS"},
-		{onlyLateness, []string{"e2e_msgs_per_s", "p99_lateness_ms", "p99_lateness_vacuumed_ms", "max_lateness_vacuumed_ms"}, "after a VACUUM"},
+		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare"}, "BARE DURABLE QUEUE", "end to end / bare durable queue"},
+		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS",
+			"ingest, 64 partitions / 4"},
+		{onlyLateness, []string{"e2e_msgs_per_s", "p99_lateness_ms", "p99_lateness_vacuumed_ms", "max_lateness_vacuumed_ms"}, "after a VACUUM",
+			"the same after a VACUUM emptied the queue"},
 	} {
 		t.Run(tc.only, func(t *testing.T) {
 			_, report, vals := runSmoke(t, tc.only)
@@ -178,6 +182,9 @@ func TestSmokeOnlyDurability(t *testing.T) {
 			}
 			if !strings.Contains(report, tc.section) {
 				t.Errorf("report lacks %q", tc.section)
+			}
+			if _, table, _ := strings.Cut(report, "COMPARED WITH THE TARGETS"); !strings.Contains(table, tc.target) {
+				t.Errorf("the report's targets table lacks %q", tc.target)
 			}
 			// The second lateness phase runs on what autovacuum leaves
 			// after a drain: the table truncated to no pages.
@@ -329,6 +336,9 @@ func TestConfigFromEnv(t *testing.T) {
 		{"N overrides", []string{"BENCH_QUICK=1", "BENCH_N=5000"}, "quick", 5000, ""},
 		{"bad switch", []string{"BENCH_QUICK=yes please"}, "", 0, "BENCH_QUICK"},
 		{"N too small", []string{"BENCH_N=10"}, "", 0, "BENCH_N"},
+		{"lateness rate", []string{"BENCH_QUICK=1", "BENCH_LATE_RATE=200"}, "quick", 20_000, ""},
+		{"lateness rate too low", []string{"BENCH_LATE_RATE=5"}, "", 0, "BENCH_LATE_RATE"},
+		{"lateness rate not a number", []string{"BENCH_LATE_RATE=5k"}, "", 0, "BENCH_LATE_RATE"},
 		{"only the gate", []string{"BENCH_QUICK=1", "BENCH_ONLY=gate"}, "quick", 20_000, ""},
 		{"only the console", []string{"BENCH_ONLY=console", "BENCH_CONSOLE_ROWS=5000"}, "full", 100_000, ""},
 		{"only the bare queue", []string{"BENCH_QUICK=1", "BENCH_ONLY=bare"}, "quick", 20_000, ""},
@@ -355,6 +365,12 @@ func TestConfigFromEnv(t *testing.T) {
 			}
 			if cfg.Mode != tc.mode || cfg.N != tc.n {
 				t.Errorf("configFromEnv(%q) = mode %s, N %d; want %s, %d", tc.environ, cfg.Mode, cfg.N, tc.mode, tc.n)
+			}
+			if want := 5_000; tc.name == "quick" && cfg.LateRate != want {
+				t.Errorf("LateRate = %d on the quick size's default, want %d", cfg.LateRate, want)
+			}
+			if want := 200; tc.name == "lateness rate" && cfg.LateRate != want {
+				t.Errorf("LateRate = %d, want %d (BENCH_LATE_RATE)", cfg.LateRate, want)
 			}
 			if tc.name == "database locale" && cfg.DBLocale != "en_US.UTF-8" {
 				t.Errorf("DBLocale = %q, want en_US.UTF-8", cfg.DBLocale)

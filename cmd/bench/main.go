@@ -180,7 +180,8 @@ var modes = map[string]config{
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when
 // neither is set) and reads DATABASE_URL, BENCH_DB_LOCALE, BENCH_SCHEDULER, BENCH_SERVICE_ENV, BENCH_PROFILE_DIR,
 // BENCH_VERBOSE, BENCH_N (overrides the phase size), BENCH_CONSOLE_ROWS
-// (overrides the console scenario's size) and BENCH_ONLY.
+// (overrides the console scenario's size), BENCH_LATE_RATE (overrides the
+// lateness phases' offered load) and BENCH_ONLY.
 func configFromEnv(environ []string) (config, error) {
 	env := map[string]string{}
 	for _, kv := range environ {
@@ -231,6 +232,15 @@ func configFromEnv(environ []string) (config, error) {
 			return config{}, fmt.Errorf("BENCH_CONSOLE_ROWS=%q: want an integer >= 1000", v)
 		}
 		cfg.ConsoleRows = n
+	}
+	if v := env["BENCH_LATE_RATE"]; v != "" {
+		// Below 10 a second the smoke size's one-second phase has too few
+		// records for its percentiles to mean anything.
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 10 {
+			return config{}, fmt.Errorf("BENCH_LATE_RATE=%q: want records a second, an integer >= 10", v)
+		}
+		cfg.LateRate = n
 	}
 	switch v := env["BENCH_ONLY"]; v {
 	case "", onlyGate, onlyConsole, onlyBare, onlyPartitions, onlyLateness, onlyFair, onlyScale:

@@ -606,15 +606,12 @@ func (r *results) write(w io.Writer) {
 	target("end to end / DB ceiling", fmt.Sprintf("%.2f", v["e2e_vs_ceiling"]), ">= 0.5", v["e2e_vs_ceiling"] >= 0.5)
 	target("end to end / River per message", fmt.Sprintf("%.1fx", v["e2e_vs_river"]), ">= 5x", v["e2e_vs_river"] >= 5)
 	target("end to end / \"1,000 msgs/s\"", fmt.Sprintf("%.1fx", v["e2e_msgs_per_s"]/1000), "> 10x", v["e2e_msgs_per_s"] > 10_000)
-	target("p99 lateness at "+group(float64(cfg.LateRate))+" msgs/s", fmt.Sprintf("%.1f ms", v["p99_lateness_ms"]), "<= 100 ms", v["p99_lateness_ms"] <= 100)
-	if _, ok := v["p99_lateness_vacuumed_ms"]; ok {
-		target("the same after a VACUUM emptied the queue", fmt.Sprintf("%.1f ms", v["p99_lateness_vacuumed_ms"]), "<= 100 ms",
-			v["p99_lateness_vacuumed_ms"] <= 100)
-	}
+	latenessTargets(target, cfg, v)
 	target("1,000 hot keys / own keys (end to end)", fmt.Sprintf("%.2f", v["hotkey_vs_own"]), ">= 0.5", v["hotkey_vs_own"] >= 0.5)
 	target("one single key, end to end", group(v["singlekey_msgs_per_s"])+" msgs/s", ">= 2,000", v["singlekey_msgs_per_s"] >= 2000)
 	target(fmt.Sprintf("dispatch with %s far-future rows / without", group(v["backlog_rows"])), fmt.Sprintf("%.2f", v["backlog1m_vs_empty_dispatch"]),
 		">= 0.9", v["backlog1m_vs_empty_dispatch"] >= 0.9)
+	durabilityTargets(target, v)
 	target("scheduler peak RSS", fmt.Sprintf("%.1f MB", v["rss_mb"]), "<= 150 MB", v["rss_mb"] <= 150)
 	target("scheduler peak RSS, records near 1 MB", fmt.Sprintf("%.1f MB", v["large_rss_mb"]), "<= 244 MB (256,000,000 bytes)",
 		v["large_rss_mb"]*(1<<20) <= 256_000_000)
@@ -635,6 +632,34 @@ func (r *results) write(w io.Writer) {
 	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",
 		group(v["delivered"]), group(v["expected"]), group(v["out_of_order"]), group(v["duplicates"]))
 	fmt.Fprintln(w, s.resultLine())
+}
+
+// latenessTargets writes the lateness rows of the targets table: the p99 at
+// the offered load, first and after a VACUUM, against 50 ms (issue 17's bar;
+// 100 ms before it).
+func latenessTargets(target func(what, got, want string, ok bool), cfg config, v map[string]float64) {
+	target("p99 lateness at "+group(float64(cfg.LateRate))+" msgs/s", fmt.Sprintf("%.1f ms", v["p99_lateness_ms"]), "<= 50 ms", v["p99_lateness_ms"] <= 50)
+	if _, ok := v["p99_lateness_vacuumed_ms"]; ok {
+		target("the same after a VACUUM emptied the queue", fmt.Sprintf("%.1f ms", v["p99_lateness_vacuumed_ms"]), "<= 50 ms",
+			v["p99_lateness_vacuumed_ms"] <= 50)
+	}
+}
+
+// durabilityTargets writes the rows of the targets table that compare the
+// service with the bare durable queue and 64 partitions with 4, of those
+// the run measured.
+func durabilityTargets(target func(what, got, want string, ok bool), v map[string]float64) {
+	if r, ok := v["e2e_vs_bare"]; ok {
+		target("end to end / bare durable queue", fmt.Sprintf("%.2f", r), ">= 0.8", r >= 0.8)
+	}
+	for _, k := range []struct{ what, key string }{
+		{"end to end, 64 partitions / 4", "e2e_p64_vs_p4"},
+		{"ingest, 64 partitions / 4", "ingest_p64_vs_p4"},
+	} {
+		if r, ok := v[k.key]; ok {
+			target(k.what, fmt.Sprintf("%.2f", r), ">= 0.8", r >= 0.8)
+		}
+	}
 }
 
 // targetRow returns a function that writes one row of the targets table to
