@@ -3,6 +3,7 @@ package keylock_test
 import (
 	"context"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +19,10 @@ import (
 type session struct {
 	*pgxpool.Conn
 	pid uint32
+	// async counts execAsync's statements still running: the connection
+	// is closed only after them, since a test that failed before waiting
+	// for one leaves it using the connection.
+	async sync.WaitGroup
 }
 
 func newSession(t *testing.T, pool *pgxpool.Pool) *session {
@@ -26,21 +31,26 @@ func newSession(t *testing.T, pool *pgxpool.Pool) *session {
 	if err != nil {
 		t.Fatal(err)
 	}
+	s := &session{Conn: c, pid: c.Conn().PgConn().PID()}
 	t.Cleanup(func() {
+		// t.Context() is done by now, so a statement still running on it
+		// returns.
+		s.async.Wait()
 		// A session left in a transaction must not go back to the pool.
 		c.Conn().Close(context.Background())
 		c.Release()
 	})
-	return &session{Conn: c, pid: c.Conn().PgConn().PID()}
+	return s
 }
 
 // execAsync runs sql on s in a goroutine and returns its result channel.
+// ctx must end by the test's cleanup (t.Context() does).
 func (s *session) execAsync(ctx context.Context, sql string) <-chan error {
 	done := make(chan error, 1)
-	go func() {
+	s.async.Go(func() {
 		_, err := s.Exec(ctx, sql)
 		done <- err
-	}()
+	})
 	return done
 }
 
