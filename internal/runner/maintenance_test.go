@@ -89,18 +89,11 @@ func TestMaintenancePrunesHistory(t *testing.T) {
 					State: "parked", Reason: "operator: kept for the test"})
 			ageHistory(e, 2*time.Hour, "old")
 			ctx := context.Background()
-			rt, err := New(e.Pool, e.Producer, nil, Config{
+			startRuntime(t, newRuntime(t, e, nil, Config{
 				Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
 				MaintenanceInterval: time.Hour, HistoryRetention: retention,
 				Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: dispatchtest.AllowAll},
-			}, dispatchtest.Logger())
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := rt.Start(ctx); err != nil {
-				t.Fatal(err)
-			}
-			defer rt.Stop(ctx)
+			}))
 			// Maintenance runs on start; wait for it to complete.
 			deadline := time.Now().Add(10 * time.Second)
 			for {
@@ -214,18 +207,11 @@ func TestMaintenanceRepairsThrottledFlags(t *testing.T) {
 	e.Insert(fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicB, Value: []byte("v"), In: time.Hour})
 	// As a head written while the limit was being set could be left.
 	e.Exec(`UPDATE deferred_key SET throttled = false`)
-	rt, err := New(e.Pool, e.Producer, nil, Config{
+	startRuntime(t, newRuntime(t, e, nil, Config{
 		Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
 		MaintenanceInterval: time.Hour,
 		Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: dispatchtest.AllowAll},
-	}, dispatchtest.Logger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
+	}))
 	// Maintenance runs on start.
 	deadline := time.Now().Add(10 * time.Second)
 	for {

@@ -18,26 +18,48 @@ import (
 	"github.com/twmb/franz-go/pkg/kfake"
 )
 
+// startWaker runs a notification listener on e's database until the test
+// ends.
+func startWaker(t *testing.T, e *dispatchtest.Env) *Waker {
+	t.Helper()
+	waker := NewWaker(e.Pool, 5*time.Millisecond, dispatchtest.Logger())
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	go waker.Run(ctx)
+	return waker
+}
+
+// newRuntime makes a Runtime of cfg on e's database and broker.
+func newRuntime(t *testing.T, e *dispatchtest.Env, waker *Waker, cfg Config) *Runtime {
+	t.Helper()
+	rt, err := New(e.Pool, e.Producer, waker, cfg, dispatchtest.Logger())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rt
+}
+
+// startRuntime starts rt; the test's cleanup stops it (a test may stop it first
+// to check what stopping does).
+func startRuntime(t *testing.T, rt *Runtime) {
+	t.Helper()
+	if err := rt.Start(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = rt.Stop(context.Background()) })
+}
+
 // The River runtime runs the loops, publishes, and hands over to successors.
 func TestRuntimeDispatchesAndHandsOver(t *testing.T) {
 	e := dispatchtest.New(t)
 	col := e.Collect(dispatchtest.TopicA)
-	waker := NewWaker(e.Pool, 5*time.Millisecond, dispatchtest.Logger())
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go waker.Run(ctx)
-	rt, err := New(e.Pool, e.Producer, waker, Config{
+	ctx := context.Background()
+	rt := newRuntime(t, e, startWaker(t, e), Config{
 		Instance: "test", Loops: 2, Workers: 2, LoopDuration: time.Second, Lease: time.Minute, PerKey: 10,
 		MaintenanceInterval: time.Minute,
 		Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll},
-	}, dispatchtest.Logger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(context.Background())
+	})
+	startRuntime(t, rt)
 
 	// The poll interval is 5 s: arriving within a second proves the
 	// notification woke a loop.
@@ -78,19 +100,13 @@ func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
 	e := dispatchtest.New(t)
 	col := e.Collect(dispatchtest.TopicA)
 	ctx := context.Background()
-	newRuntime := func() *Runtime {
-		rt, err := New(e.Pool, e.Producer, nil, Config{
-			Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
-			MaintenanceInterval: time.Hour,
-			Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: dispatchtest.AllowAll},
-		}, dispatchtest.Logger())
-		if err != nil {
-			t.Fatal(err)
-		}
-		return rt
+	cfg := Config{
+		Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Hour,
+		Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: dispatchtest.AllowAll},
 	}
 	// The slot's job, as a process that then died would have left it.
-	if _, err := newRuntime().client.Insert(ctx, LoopArgs{Slot: 0}, nil); err != nil {
+	if _, err := newRuntime(t, e, nil, cfg).client.Insert(ctx, LoopArgs{Slot: 0}, nil); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.Pool.Exec(ctx, `UPDATE river_job SET state = 'running', attempt = 1, attempted_at = now(),
@@ -99,11 +115,8 @@ func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
 	}
 	e.Insert(fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicA, RecordKey: []byte("k"), Value: []byte("v")})
 
-	rt := newRuntime()
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
+	rt := newRuntime(t, e, nil, cfg)
+	startRuntime(t, rt)
 	col.Wait(t, 1, 10*time.Second)
 	var state string
 	if err := e.Pool.QueryRow(ctx, "SELECT state FROM river_job WHERE 'dead-process' = ANY (attempted_by)").Scan(&state); err != nil {
@@ -136,18 +149,12 @@ func TestRuntimeReapsLoopsOfDeadProcess(t *testing.T) {
 func TestRuntimeReapsLoopsTheDatabaseSaysRunHere(t *testing.T) {
 	e := dispatchtest.New(t)
 	ctx := context.Background()
-	rt, err := New(e.Pool, e.Producer, nil, Config{
+	rt := newRuntime(t, e, nil, Config{
 		Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
 		MaintenanceInterval: time.Hour,
 		Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: dispatchtest.AllowAll},
-	}, dispatchtest.Logger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
+	})
+	startRuntime(t, rt)
 	kind := LoopArgs{}.Kind()
 	var running int64
 	dispatchtest.Eventually(t, 10*time.Second, "the loop running", func() bool {
@@ -186,24 +193,18 @@ func TestRuntimeReapsLoopsTheDatabaseSaysRunHere(t *testing.T) {
 func TestLoweredLoopsRetire(t *testing.T) {
 	e := dispatchtest.New(t)
 	ctx := context.Background()
-	rt, err := New(e.Pool, e.Producer, nil, Config{
+	rt := newRuntime(t, e, nil, Config{
 		Instance: "test", Loops: 1, Workers: 3, LoopDuration: 300 * time.Millisecond, Lease: time.Minute, PerKey: 10,
 		MaintenanceInterval: time.Hour,
 		Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: dispatchtest.AllowAll},
-	}, dispatchtest.Logger())
-	if err != nil {
-		t.Fatal(err)
-	}
+	})
 	// Slots 1 and 2 were created by an earlier configuration.
 	for _, slot := range []int{1, 2} {
 		if _, err := rt.client.Insert(ctx, LoopArgs{Slot: slot}, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
+	startRuntime(t, rt)
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		var live []int
@@ -254,18 +255,12 @@ func TestRuntimePublishesDeadLetters(t *testing.T) {
 	e := dispatchtest.New(t, kfake.SeedTopics(2, dlqTopic))
 	col := e.Collect(dlqTopic)
 	ctx := context.Background()
-	rt, err := New(e.Pool, e.Producer, nil, Config{
+	rt := newRuntime(t, e, nil, Config{
 		Instance: "test", Loops: 1, Workers: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
 		MaintenanceInterval: time.Hour,
 		Dispatch:            dispatch.Config{BatchKeys: 50, PollInterval: 50 * time.Millisecond, Targets: protocol.TargetPatterns{"orders.*"}},
-	}, dispatchtest.Logger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(ctx)
+	})
+	startRuntime(t, rt)
 	e.Insert(fixture.Message{Key: fixture.Key("k"), Target: dispatchtest.TopicB, RecordKey: []byte("k"), Value: []byte("v"), DLQ: dlqTopic})
 	got := col.Wait(t, 1, 10*time.Second)
 	dispatchtest.MustEqual(t, "copy", string(got[0].Value), "v")
@@ -287,25 +282,15 @@ func TestRuntimeExpressRounds(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			e := dispatchtest.New(t)
 			col := e.Collect(dispatchtest.TopicA)
-			waker := NewWaker(e.Pool, 5*time.Millisecond, dispatchtest.Logger())
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			go waker.Run(ctx)
-			rt, err := New(e.Pool, e.Producer, waker, Config{
+			rt := newRuntime(t, e, startWaker(t, e), Config{
 				Instance: "test", Loops: 2, Workers: 2, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
 				MaintenanceInterval: time.Minute,
 				Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
 					ExpressHeads: tt.heads},
-			}, dispatchtest.Logger())
-			if err != nil {
-				t.Fatal(err)
-			}
+			})
 			turns := rt.cfg.Dispatch.ClaimTurns
 			turns <- struct{}{} // as if a main claim ran all along
-			if err := rt.Start(ctx); err != nil {
-				t.Fatal(err)
-			}
-			defer rt.Stop(context.Background())
+			startRuntime(t, rt)
 			// Another target's backlog, which express rounds leave alone.
 			var backlog []fixture.Message
 			for i := range 20 {
@@ -334,24 +319,13 @@ func TestRuntimeExpressRounds(t *testing.T) {
 // each one records.
 func TestNotificationWakesOneLoop(t *testing.T) {
 	e := dispatchtest.New(t)
-	waker := NewWaker(e.Pool, 5*time.Millisecond, dispatchtest.Logger())
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go waker.Run(ctx)
 	reg := prometheus.NewRegistry()
-	rt, err := New(e.Pool, e.Producer, waker, Config{
+	startRuntime(t, newRuntime(t, e, startWaker(t, e), Config{
 		Instance: "test", Loops: 4, Workers: 4, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
 		MaintenanceInterval: time.Minute,
 		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
 			Metrics: metrics.New(reg, "test")},
-	}, dispatchtest.Logger())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := rt.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	defer rt.Stop(context.Background())
+	}))
 	claims := func() uint64 {
 		t.Helper()
 		fams, err := reg.Gather()
