@@ -164,9 +164,14 @@ func New(locker *keylock.Locker, producer Producer, wake <-chan struct{}, cfg Co
 // errCrashed is returned by a round that a test hook stopped mid-way.
 var errCrashed = errors.New("dispatch: stopped between publish and finalize")
 
-// minIdle is the shortest sleep after a round that claimed nothing although
-// a head is due: that head is locked by someone (an operator's open
-// transaction, ingest, a finalize) and polling it without pause would spin.
+// minIdle is the shortest sleep after a round that claimed nothing, for two
+// reasons. A head can be due and still not claimed: someone locks it (an
+// operator's open transaction, ingest, a finalize), and polling it without
+// pause would spin. And heads that fall due within minIdle of each other
+// are claimed together. Sleeping exactly until the next head instead
+// (tried, docs/benchmarks.md) halved the p99 lateness at 200 msgs/s, 17 to
+// 8 ms, for 35-70% more claims and a fifth more of Postgres's CPU per
+// message; at 5,000 msgs/s it changed nothing, the loops seldom being idle.
 const minIdle = 20 * time.Millisecond
 
 // Run dispatches until ctx is done, stop is closed, or until passes. It
