@@ -2,10 +2,15 @@ package keylock_test
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/keylock"
@@ -309,6 +314,64 @@ func TestLeaseExcludesOtherHolders(t *testing.T) {
 		t.Errorf("b claimed at %v, before a's lease ended at %v", at, aUntil)
 	}
 	t.Logf("b claimed after %d tries", tries)
+}
+
+// A claim aborted by a deadlock (PostgreSQL can make the claim wait for an
+// operator's statement and abort it, see Locker.claim) is run once more;
+// a second deadlock in a row is returned, with nothing leased. The
+// deadlocks come from a statement trigger on deferred_key, which the
+// claim's lease update fires: a real PostgreSQL error with the deadlock's
+// SQLSTATE, raised by the first deadlocks calls (a sequence counts them
+// outside the aborted transactions).
+func TestClaimRetriesADeadlock(t *testing.T) {
+	for _, tc := range []struct {
+		deadlocks int
+		wantErr   bool
+	}{{0, false}, {1, false}, {2, true}} {
+		t.Run(fmt.Sprintf("%d deadlocks", tc.deadlocks), func(t *testing.T) {
+			db := pgtest.NewDB(t)
+			mustExec(t, db.Pool, `INSERT INTO deferred_message (business_key, target_topic, next_run_at) VALUES ('a', 't', now())`)
+			mustExec(t, db.Pool, `CREATE SEQUENCE claim_deadlocks`)
+			mustExec(t, db.Pool, fmt.Sprintf(`CREATE FUNCTION claim_deadlock() RETURNS trigger LANGUAGE plpgsql AS $$
+				BEGIN
+					IF nextval('claim_deadlocks') <= %d THEN
+						RAISE EXCEPTION 'deadlock detected (raised by the test)' USING ERRCODE = 'deadlock_detected';
+					END IF;
+					RETURN NULL;
+				END $$`, tc.deadlocks))
+			mustExec(t, db.Pool, `CREATE TRIGGER claim_deadlock AFTER UPDATE ON deferred_key
+				FOR EACH STATEMENT EXECUTE FUNCTION claim_deadlock()`)
+
+			claims, err := newLocker(t, db.Pool, "me", time.Minute, 10).Claim(t.Context(), 10)
+			var calls int64
+			if err := db.Pool.QueryRow(t.Context(), `SELECT last_value FROM claim_deadlocks`).Scan(&calls); err != nil {
+				t.Fatal(err)
+			}
+			if want := int64(min(tc.deadlocks+1, 2)); calls != want {
+				t.Errorf("the claim statement ran %d times, want %d", calls, want)
+			}
+			var leased int
+			if err := db.Pool.QueryRow(t.Context(), `SELECT count(*) FROM deferred_key WHERE leased_by = 'me'`).Scan(&leased); err != nil {
+				t.Fatal(err)
+			}
+			if tc.wantErr {
+				var pe *pgconn.PgError
+				if !errors.As(err, &pe) || pe.Code != pgerrcode.DeadlockDetected || !strings.Contains(err.Error(), "claim due keys") {
+					t.Fatalf("Claim error = %v, want the deadlock, saying what failed", err)
+				}
+				if len(claims) != 0 || leased != 0 {
+					t.Fatalf("%d claims returned, %d keys leased after the failed claim; want none", len(claims), leased)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Claim: %v, want the claim run again after %d deadlock", err, tc.deadlocks)
+			}
+			if got := claimSummary(t, claims); len(got) != 1 || leased != 1 {
+				t.Fatalf("claimed %q with %d keys leased, want key a", got, leased)
+			}
+		})
+	}
 }
 
 // TestFinalize: published messages go, parked ones are parked with their
