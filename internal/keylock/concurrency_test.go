@@ -40,7 +40,7 @@ func bigPool(t *testing.T, url string, conns int32) *pgxpool.Pool {
 func retryDeadlock(count *atomic.Int64, f func() error) error {
 	for {
 		err := f()
-		if !isDeadlock(err) {
+		if !keylock.IsDeadlock(err) {
 			return err
 		}
 		count.Add(1)

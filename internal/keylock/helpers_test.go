@@ -9,7 +9,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -248,9 +247,4 @@ func eventually(t testing.TB, timeout time.Duration, what string, f func() bool)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-}
-
-func isDeadlock(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.DeadlockDetected
 }

@@ -2,15 +2,12 @@ package keylock_test
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/keylock"
@@ -355,8 +352,7 @@ func TestClaimRetriesADeadlock(t *testing.T) {
 				t.Fatal(err)
 			}
 			if tc.wantErr {
-				var pe *pgconn.PgError
-				if !errors.As(err, &pe) || pe.Code != pgerrcode.DeadlockDetected || !strings.Contains(err.Error(), "claim due keys") {
+				if !keylock.IsDeadlock(err) || !strings.Contains(err.Error(), "claim due keys") {
 					t.Fatalf("Claim error = %v, want the deadlock, saying what failed", err)
 				}
 				if len(claims) != 0 || leased != 0 {
