@@ -313,28 +313,36 @@ func (rt *Runtime) express(ctx context.Context) {
 	if rt.waker == nil || rt.cfg.Dispatch.ExpressHeads <= 0 {
 		return
 	}
-	locker, err := keylock.New(rt.pool, keylock.Config{
-		Owner:    rt.cfg.Instance + "/express",
-		Lease:    rt.cfg.Lease,
-		PerKey:   rt.cfg.PerKey,
-		MaxBytes: rt.cfg.RoundBytes,
-	})
-	if err != nil {
-		rt.logger.Error("express claims off", "error", err)
-		return
-	}
 	wake, unsubscribe := rt.waker.Subscribe()
 	defer unsubscribe()
-	cfg := rt.cfg.Dispatch
-	cfg.OnParked = rt.parked
 	// Express rounds take no turn: waiting for one is what they avoid.
-	cfg.ClaimTurns = nil
-	d, err := dispatch.New(locker, rt.producer, wake, cfg, rt.logger.With("loop", "express"))
+	d, err := rt.dispatcher(rt.cfg.Instance+"/express", wake, false, rt.logger.With("loop", "express"))
 	if err != nil {
 		rt.logger.Error("express claims off", "error", err)
 		return
 	}
 	d.RunExpress(ctx, rt.stop)
+}
+
+// dispatcher returns a dispatcher of this process whose claims lease keys
+// to owner, woken by wake, taking turns at the claim with the process's
+// other loops (Config.Dispatch.ClaimTurns) if inTurn.
+func (rt *Runtime) dispatcher(owner string, wake <-chan struct{}, inTurn bool, logger *slog.Logger) (*dispatch.Dispatcher, error) {
+	locker, err := keylock.New(rt.pool, keylock.Config{
+		Owner:    owner,
+		Lease:    rt.cfg.Lease,
+		PerKey:   rt.cfg.PerKey,
+		MaxBytes: rt.cfg.RoundBytes,
+	})
+	if err != nil {
+		return nil, err
+	}
+	cfg := rt.cfg.Dispatch
+	cfg.OnParked = rt.parked
+	if !inTurn {
+		cfg.ClaimTurns = nil
+	}
+	return dispatch.New(locker, rt.producer, wake, cfg, logger)
 }
 
 // analyzeStale checks the queue tables' statistics every analyzeEvery until
@@ -577,18 +585,8 @@ func (w *loopWorker) NextRetry(*river.Job[LoopArgs]) time.Time { return time.Now
 func (w *loopWorker) Work(ctx context.Context, job *river.Job[LoopArgs]) error {
 	rt := w.rt
 	defer rt.loopRunning(job.ID)()
-	locker, err := keylock.New(rt.pool, keylock.Config{
-		Owner:    fmt.Sprintf("%s/loop-%d/job-%d", rt.cfg.Instance, job.Args.Slot, job.ID),
-		Lease:    rt.cfg.Lease,
-		PerKey:   rt.cfg.PerKey,
-		MaxBytes: rt.cfg.RoundBytes,
-	})
-	if err != nil {
-		return err
-	}
-	cfg := rt.cfg.Dispatch
-	cfg.OnParked = rt.parked
-	d, err := dispatch.New(locker, rt.producer, rt.loopWake, cfg, rt.logger.With("loop", job.Args.Slot))
+	d, err := rt.dispatcher(fmt.Sprintf("%s/loop-%d/job-%d", rt.cfg.Instance, job.Args.Slot, job.ID), rt.loopWake, true,
+		rt.logger.With("loop", job.Args.Slot))
 	if err != nil {
 		return err
 	}
