@@ -326,7 +326,22 @@ func TestNotificationWakesOneLoop(t *testing.T) {
 		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
 			Metrics: metrics.New(reg, "test")},
 	}))
-	claims := func() uint64 {
+	claims := claimCounter(t, reg)
+	// Every loop has claimed once and sleeps its poll interval (5 s).
+	waitForClaims(t, claims, 4)
+	time.Sleep(300 * time.Millisecond)
+	before := claims()
+	e.Exec("NOTIFY " + NotifyChannel)
+	time.Sleep(time.Second)
+	if got := claims() - before; got != 1 {
+		t.Fatalf("one notification, %d claims; want one loop woken", got)
+	}
+}
+
+// claimCounter returns a function that reads how many main claims the
+// loops registered with reg have made (each records its claim-turn wait).
+func claimCounter(t *testing.T, reg *prometheus.Registry) func() uint64 {
+	return func() uint64 {
 		t.Helper()
 		fams, err := reg.Gather()
 		if err != nil {
@@ -339,19 +354,16 @@ func TestNotificationWakesOneLoop(t *testing.T) {
 		}
 		return 0
 	}
-	// Every loop has claimed once and sleeps its poll interval (5 s).
+}
+
+// waitForClaims waits until claims reads at least n, for up to 10 s.
+func waitForClaims(t *testing.T, claims func() uint64, n uint64) {
+	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for claims() < 4 {
+	for claims() < n {
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of 4 loops claimed", claims())
+			t.Fatalf("%d of %d loops claimed", claims(), n)
 		}
 		time.Sleep(20 * time.Millisecond)
-	}
-	time.Sleep(300 * time.Millisecond)
-	before := claims()
-	e.Exec("NOTIFY " + NotifyChannel)
-	time.Sleep(time.Second)
-	if got := claims() - before; got != 1 {
-		t.Fatalf("one notification, %d claims; want one loop woken", got)
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"strconv"
 	"sync"
 	"time"
 
@@ -19,6 +20,14 @@ const NotifyChannel = "deferred_key_due"
 // Waker turns database notifications into wake-ups for sleeping loops. A
 // notification is only a hint: a loop that misses one still wakes at its next
 // due time or poll, which is why Waker may drop, merge and delay them freely.
+//
+// A notification's payload says when its head falls due (see
+// sql/schema/functions/deferred_key_notify.sql): empty for now, else the
+// milliseconds until then. Waker wakes at once for the first, and for the
+// second when the time comes: a loop woken earlier would claim nothing and
+// then sleep dispatch's idle floor past the head's due time. Of several
+// such times it keeps only the earliest: the loop woken then claims, and
+// reads the next due time itself before it sleeps again.
 type Waker struct {
 	pool     *pgxpool.Pool
 	logger   *slog.Logger
@@ -26,6 +35,10 @@ type Waker struct {
 
 	mu   sync.Mutex
 	subs map[chan struct{}]struct{}
+	// later is the pending wake-up for a head due in the future (nil if
+	// none), due at laterAt.
+	later   *time.Timer
+	laterAt time.Time
 }
 
 // NewWaker returns a Waker that wakes subscribers at most once per throttle.
@@ -59,8 +72,55 @@ func (w *Waker) Broadcast() {
 	}
 }
 
+// wakeAt wakes the subscribers at t, unless a wake-up no later than t is
+// pending already.
+func (w *Waker) wakeAt(t time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.later != nil {
+		if !w.laterAt.After(t) {
+			return
+		}
+		w.later.Stop()
+	}
+	var timer *time.Timer
+	// The function takes w.mu before it reads timer, which is assigned
+	// below while w.mu is held: it sees the assignment however soon it runs.
+	timer = time.AfterFunc(time.Until(t), func() {
+		w.mu.Lock()
+		if w.later == timer {
+			w.later = nil
+		}
+		w.mu.Unlock()
+		w.Broadcast()
+	})
+	w.later, w.laterAt = timer, t
+}
+
+// stopLater drops the pending wake-up, if any.
+func (w *Waker) stopLater() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.later != nil {
+		w.later.Stop()
+		w.later = nil
+	}
+}
+
+// dueIn reads a notification's payload: how long until its head falls due,
+// zero for now. A payload it cannot read (another release's) means now: a
+// wake-up too early costs a claim, one too late costs lateness.
+func dueIn(payload string) time.Duration {
+	ms, err := strconv.ParseInt(payload, 10, 64)
+	if err != nil || ms <= 0 {
+		return 0
+	}
+	return time.Duration(ms) * time.Millisecond
+}
+
 // Run listens until ctx is done, reconnecting after errors.
 func (w *Waker) Run(ctx context.Context) {
+	defer w.stopLater()
 	var failures int
 	for ctx.Err() == nil {
 		listened, err := w.listen(ctx)
@@ -93,8 +153,13 @@ func (w *Waker) listen(ctx context.Context) (bool, error) {
 		return false, fmt.Errorf("listen on %s: %w", NotifyChannel, err)
 	}
 	for {
-		if _, err := conn.WaitForNotification(ctx); err != nil {
+		n, err := conn.WaitForNotification(ctx)
+		if err != nil {
 			return true, fmt.Errorf("wait for notifications: %w", err)
+		}
+		if wait := dueIn(n.Payload); wait > 0 {
+			w.wakeAt(time.Now().Add(wait))
+			continue
 		}
 		w.Broadcast()
 		if !backoff.Sleep(ctx, w.throttle) {

@@ -1,0 +1,166 @@
+package runner
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/deferq/scheduler/internal/dispatch"
+	"github.com/deferq/scheduler/internal/dispatchtest"
+	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/metrics"
+)
+
+// The head triggers' notification says when the head falls due: empty for
+// now, else the milliseconds until then, and nothing for a head further out
+// than the longest poll interval.
+func TestNotificationSaysWhenTheHeadFallsDue(t *testing.T) {
+	e := dispatchtest.New(t)
+	tests := []struct {
+		name   string
+		in     time.Duration
+		notify bool
+		// minMs and maxMs bound the payload read as milliseconds; both 0:
+		// the payload is empty.
+		minMs, maxMs int64
+	}{
+		{name: "overdue", in: -time.Second, notify: true},
+		{name: "due now", in: 0, notify: true},
+		{name: "due in 2s", in: 2 * time.Second, notify: true, minMs: 1000, maxMs: 2000},
+		{name: "due in 10s", in: 10 * time.Second, notify: false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			conn := listen(t, e.Pool)
+			e.Insert(fixture.Message{Key: fixture.Key(tt.name), Target: dispatchtest.TopicA, In: tt.in})
+			ctx, cancel := context.WithTimeout(t.Context(), time.Second)
+			defer cancel()
+			n, err := conn.WaitForNotification(ctx)
+			if !tt.notify {
+				if err == nil {
+					t.Fatalf("notified %q for a head due in %v", n.Payload, tt.in)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("no notification for a head due in %v: %v", tt.in, err)
+			}
+			if tt.maxMs == 0 {
+				if n.Payload != "" {
+					t.Fatalf("payload %q, want empty for a head due now", n.Payload)
+				}
+				return
+			}
+			ms, err := strconv.ParseInt(n.Payload, 10, 64)
+			if err != nil || ms <= tt.minMs || ms > tt.maxMs {
+				t.Fatalf("payload %q, want milliseconds in (%d, %d]", n.Payload, tt.minMs, tt.maxMs)
+			}
+		})
+	}
+}
+
+// listen returns a connection of pool that listens on NotifyChannel; the
+// test's cleanup closes it.
+func listen(t *testing.T, pool *pgxpool.Pool) *pgx.Conn {
+	t.Helper()
+	pooled, err := pool.Acquire(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := pooled.Hijack()
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	if _, err := conn.Exec(t.Context(), "LISTEN "+NotifyChannel); err != nil {
+		t.Fatal(err)
+	}
+	return conn
+}
+
+// The waker wakes at once for a head due now (or a payload it cannot
+// read), and when the time comes for one due later; of two pending times
+// it keeps the earlier.
+func TestWakerWakesWhenTheHeadFallsDue(t *testing.T) {
+	e := dispatchtest.New(t)
+	tests := []struct {
+		name     string
+		payloads []string
+		// The wake-up comes no sooner than after and within within.
+		after, within time.Duration
+	}{
+		{name: "due now", payloads: []string{""}, within: time.Second},
+		{name: "unreadable", payloads: []string{"soon"}, within: time.Second},
+		{name: "due in 700ms", payloads: []string{"700"}, after: 500 * time.Millisecond, within: 3 * time.Second},
+		{name: "an earlier time replaces a later one", payloads: []string{"4000", "500"},
+			after: 300 * time.Millisecond, within: 2500 * time.Millisecond},
+		{name: "a later time leaves the earlier one", payloads: []string{"500", "4000"},
+			after: 300 * time.Millisecond, within: 2500 * time.Millisecond},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			waker := startWaker(t, e)
+			wake, unsubscribe := waker.Subscribe()
+			defer unsubscribe()
+			// The listener may not be listening yet: a notification before
+			// its LISTEN is lost. A wake-up for one due now says it is.
+			dispatchtest.Eventually(t, 5*time.Second, "the waker listens", func() bool {
+				e.Exec("SELECT pg_notify($1, '')", NotifyChannel)
+				select {
+				case <-wake:
+					return true
+				case <-time.After(50 * time.Millisecond):
+					return false
+				}
+			})
+			time.Sleep(50 * time.Millisecond)
+			select {
+			case <-wake:
+			default:
+			}
+			start := time.Now()
+			for _, p := range tt.payloads {
+				e.Exec("SELECT pg_notify($1, $2)", NotifyChannel, p)
+			}
+			select {
+			case <-wake:
+				if took := time.Since(start); took < tt.after {
+					t.Fatalf("woken after %v, want no sooner than %v", took, tt.after)
+				}
+			case <-time.After(tt.within):
+				t.Fatalf("not woken within %v", tt.within)
+			}
+		})
+	}
+}
+
+// A head stored due later wakes no loop until it falls due, and then one
+// loop publishes it, without waiting for the loops' poll interval.
+func TestFutureHeadWakesALoopWhenDue(t *testing.T) {
+	e := dispatchtest.New(t)
+	reg := prometheus.NewRegistry()
+	startRuntime(t, newRuntime(t, e, startWaker(t, e), Config{
+		Instance: "test", Loops: 4, Workers: 4, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Minute,
+		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
+			Metrics: metrics.New(reg, "test")},
+	}))
+	claims := claimCounter(t, reg)
+	waitForClaims(t, claims, 4) // each loop now sleeps its poll interval, 5 s
+	time.Sleep(300 * time.Millisecond)
+	before := claims()
+	e.Insert(fixture.Message{Key: fixture.Key("later"), Target: dispatchtest.TopicA, In: 1500 * time.Millisecond})
+	stored := time.Now()
+	time.Sleep(time.Second)
+	if got := claims() - before; got != 0 {
+		t.Fatalf("%d claims before the head fell due; want none", got)
+	}
+	dispatchtest.Eventually(t, 2*time.Second, "the message published at its due time", func() bool {
+		return e.Count("true") == 0
+	})
+	if took := time.Since(stored); took >= 4*time.Second {
+		t.Fatalf("published %v after it was stored: the loops' poll, not a wake-up", took)
+	}
+}

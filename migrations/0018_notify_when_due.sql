@@ -1,0 +1,9 @@
+-- Notifications say when the head falls due.
+--
+-- Changes sql/schema/functions/deferred_key_notify.sql: its payload, empty
+-- until now, is the milliseconds until the head falls due (empty for a head
+-- due now). Every ingest commit notified for heads due within 5 s, and the
+-- loop it woke claimed at once, found nothing due, and slept; the listener
+-- now wakes a loop when the head falls due (docs/design.md section 10).
+-- A process of an earlier release wakes at once on any payload, as before.
+-- Not a trigger function, so grants.sql need not run again.
