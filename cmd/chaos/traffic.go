@@ -13,6 +13,7 @@ import (
 	"github.com/IBM/sarama"
 
 	"github.com/deferq/scheduler/internal/defer/protocol"
+	"github.com/deferq/scheduler/internal/keygate"
 )
 
 const (
@@ -292,17 +293,9 @@ func (c *consumer) redefer(m *sarama.ConsumerMessage) error {
 // caughtUp waits until every partition of the target topic has been read up
 // to its end as of now.
 func (c *consumer) caughtUp(ctx context.Context, timeout time.Duration) error {
-	parts, err := c.client.Partitions(targetTopic)
+	ends, err := keygate.KafkaOffsets{Client: c.client}.Marks(targetTopic)
 	if err != nil {
-		return fmt.Errorf("partitions of %s: %w", targetTopic, err)
-	}
-	ends := map[int32]int64{}
-	for _, p := range parts {
-		end, err := c.client.GetOffset(targetTopic, p, sarama.OffsetNewest)
-		if err != nil {
-			return fmt.Errorf("end offset of %s/%d: %w", targetTopic, p, err)
-		}
-		ends[p] = end
+		return err
 	}
 	deadline := time.Now().Add(timeout)
 	for {
@@ -329,18 +322,15 @@ func (c *consumer) caughtUp(ctx context.Context, timeout time.Duration) error {
 }
 
 // endOffsets returns the sum over topic's partitions of their end offsets:
-// how many records the topic holds.
+// how many records the topic holds. Each partition leader is asked once for
+// all its partitions (keygate's KafkaOffsets.Marks), not once per partition.
 func (c *consumer) endOffsets(topic string) (int64, error) {
-	parts, err := c.client.Partitions(topic)
+	ends, err := keygate.KafkaOffsets{Client: c.client}.Marks(topic)
 	if err != nil {
-		return 0, fmt.Errorf("partitions of %s: %w", topic, err)
+		return 0, err
 	}
 	var sum int64
-	for _, p := range parts {
-		end, err := c.client.GetOffset(topic, p, sarama.OffsetNewest)
-		if err != nil {
-			return 0, fmt.Errorf("end offset of %s/%d: %w", topic, p, err)
-		}
+	for _, end := range ends {
 		sum += end
 	}
 	return sum, nil
