@@ -319,17 +319,7 @@ func TestRuntimeExpressRounds(t *testing.T) {
 // each one records.
 func TestNotificationWakesOneLoop(t *testing.T) {
 	e := dispatchtest.New(t)
-	reg := prometheus.NewRegistry()
-	startRuntime(t, newRuntime(t, e, startWaker(t, e), Config{
-		Instance: "test", Loops: 4, Workers: 4, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
-		MaintenanceInterval: time.Minute,
-		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
-			Metrics: metrics.New(reg, "test")},
-	}))
-	claims := claimCounter(t, reg)
-	// Every loop has claimed once and sleeps its poll interval (5 s).
-	waitForClaims(t, claims, 4)
-	time.Sleep(300 * time.Millisecond)
+	claims := idleLoops(t, e)
 	before := claims()
 	e.Exec("NOTIFY " + NotifyChannel)
 	time.Sleep(time.Second)
@@ -338,10 +328,20 @@ func TestNotificationWakesOneLoop(t *testing.T) {
 	}
 }
 
-// claimCounter returns a function that reads how many main claims the
-// loops registered with reg have made (each records its claim-turn wait).
-func claimCounter(t *testing.T, reg *prometheus.Registry) func() uint64 {
-	return func() uint64 {
+// idleLoops starts a runtime of four loops on e, with a notification
+// listener and a poll interval of 5 s, and returns once every loop has
+// claimed once and sleeps. It returns a function that reads how many main
+// claims the loops have made (each records its claim-turn wait).
+func idleLoops(t *testing.T, e *dispatchtest.Env) func() uint64 {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	startRuntime(t, newRuntime(t, e, startWaker(t, e), Config{
+		Instance: "test", Loops: 4, Workers: 4, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
+		MaintenanceInterval: time.Minute,
+		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
+			Metrics: metrics.New(reg, "test")},
+	}))
+	claims := func() uint64 {
 		t.Helper()
 		fams, err := reg.Gather()
 		if err != nil {
@@ -354,16 +354,13 @@ func claimCounter(t *testing.T, reg *prometheus.Registry) func() uint64 {
 		}
 		return 0
 	}
-}
-
-// waitForClaims waits until claims reads at least n, for up to 10 s.
-func waitForClaims(t *testing.T, claims func() uint64, n uint64) {
-	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
-	for claims() < n {
+	for claims() < 4 {
 		if time.Now().After(deadline) {
-			t.Fatalf("%d of %d loops claimed", claims(), n)
+			t.Fatalf("%d of 4 loops claimed", claims())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	time.Sleep(300 * time.Millisecond)
+	return claims
 }

@@ -8,12 +8,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/prometheus/client_golang/prometheus"
 
-	"github.com/deferq/scheduler/internal/dispatch"
 	"github.com/deferq/scheduler/internal/dispatchtest"
 	"github.com/deferq/scheduler/internal/fixture"
-	"github.com/deferq/scheduler/internal/metrics"
 )
 
 // The head triggers' notification says when the head falls due: empty for
@@ -140,16 +137,7 @@ func TestWakerWakesWhenTheHeadFallsDue(t *testing.T) {
 // loop publishes it, without waiting for the loops' poll interval.
 func TestFutureHeadWakesALoopWhenDue(t *testing.T) {
 	e := dispatchtest.New(t)
-	reg := prometheus.NewRegistry()
-	startRuntime(t, newRuntime(t, e, startWaker(t, e), Config{
-		Instance: "test", Loops: 4, Workers: 4, Claims: 1, LoopDuration: time.Minute, Lease: time.Minute, PerKey: 10,
-		MaintenanceInterval: time.Minute,
-		Dispatch: dispatch.Config{BatchKeys: 50, PollInterval: 5 * time.Second, Targets: dispatchtest.AllowAll,
-			Metrics: metrics.New(reg, "test")},
-	}))
-	claims := claimCounter(t, reg)
-	waitForClaims(t, claims, 4) // each loop now sleeps its poll interval, 5 s
-	time.Sleep(300 * time.Millisecond)
+	claims := idleLoops(t, e) // each loop now sleeps its poll interval, 5 s
 	before := claims()
 	e.Insert(fixture.Message{Key: fixture.Key("later"), Target: dispatchtest.TopicA, In: 1500 * time.Millisecond})
 	stored := time.Now()
