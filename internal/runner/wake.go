@@ -41,7 +41,8 @@ type Waker struct {
 	laterAt time.Time
 }
 
-// NewWaker returns a Waker that wakes subscribers at most once per throttle.
+// NewWaker returns a Waker that wakes subscribers for heads due now at most
+// once per throttle; a head due later wakes them once, when it falls due.
 func NewWaker(pool *pgxpool.Pool, throttle time.Duration, logger *slog.Logger) *Waker {
 	return &Waker{pool: pool, logger: logger, throttle: throttle, subs: map[chan struct{}]struct{}{}}
 }
