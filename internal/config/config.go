@@ -52,11 +52,12 @@ type Config struct {
 	SigningKeysFile string `env:"SIGNING_KEYS_FILE" form:"path to a readable file of source=KEY lines (KEY in hex, at least 64 digits; # comments, blank lines)" help:"file of signing keys, one source=KEY per line, besides SIGNING_KEYS (a source may be in one of them only)"`
 	SigningRequired bool   `env:"SIGNING_REQUIRED" envDefault:"false" form:"true or false" help:"also reject records without defer.source or from a source with no signing key"`
 
-	IngestBatchSize   int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records per batch of one partition, and per insert statement"`
-	IngestBatchBytes  int           `env:"INGEST_BATCH_BYTES" envDefault:"4194304" form:"integer 1024..268435456" help:"bytes of records per batch of one partition, and per insert statement; a larger record is written alone"`
-	IngestWriters     int           `env:"INGEST_WRITERS" envDefault:"2" form:"integer 1..64" help:"writes (a COPY or an insert statement) ingest runs at once; batches of other partitions that are ready meanwhile go together in the next one"`
-	IngestBufferBytes int           `env:"INGEST_BUFFER_BYTES" envDefault:"33554432" form:"integer 1048576..4294967296" help:"bytes of records ingest holds at once, read from Kafka and not yet stored, over every partition it consumes (fetched, queued and batched); a larger record is still read, alone"`
-	IngestBatchLinger time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill; it goes at once when nothing else is being written"`
+	IngestBatchSize    int           `env:"INGEST_BATCH_SIZE" envDefault:"1000" form:"integer 1..100000" help:"records per batch of one partition, and per insert statement"`
+	IngestBatchBytes   int           `env:"INGEST_BATCH_BYTES" envDefault:"4194304" form:"integer 1024..268435456" help:"bytes of records per batch of one partition, and per insert statement; a larger record is written alone"`
+	IngestWriters      int           `env:"INGEST_WRITERS" envDefault:"2" form:"integer 1..64" help:"writes (a COPY or an insert statement) ingest runs at once; batches of other partitions that are ready meanwhile go together in the next one"`
+	IngestBufferBytes  int           `env:"INGEST_BUFFER_BYTES" envDefault:"33554432" form:"integer 1048576..4294967296" help:"bytes of records ingest holds at once, read from Kafka and not yet stored, over every partition it consumes (fetched, queued and batched); a larger record is still read, alone"`
+	IngestBatchLinger  time.Duration `env:"INGEST_BATCH_LINGER" envDefault:"20ms" form:"Go duration, e.g. 20ms" help:"longest a record waits for its batch to fill; it goes at once when nothing else is being written"`
+	IngestFutureLinger time.Duration `env:"INGEST_FUTURE_LINGER" envDefault:"100ms" form:"Go duration 0..10s" help:"longest a batch waits to fill while each of its records falls due at least this plus 1s after it was read (such records lose nothing by waiting: their delays count from when they were read); 0 writes them as any other"`
 
 	DispatchLoops         int           `env:"DISPATCH_LOOPS" envDefault:"4" form:"integer 1..256" help:"dispatch loops shared by all replicas on the database"`
 	DispatchWorkers       int           `env:"DISPATCH_WORKERS" envDefault:"4" form:"integer 1..256" help:"dispatch loops this replica runs at most"`
@@ -225,6 +226,9 @@ func (c *Config) validate() error {
 	}
 	positive("MAX_DELAY", c.MaxDelay, "Go duration, e.g. 168h")
 	positive("INGEST_BATCH_LINGER", c.IngestBatchLinger, "Go duration, e.g. 20ms")
+	if c.IngestFutureLinger < 0 || c.IngestFutureLinger > 10*time.Second {
+		errs = append(errs, c.bad("INGEST_FUTURE_LINGER", c.IngestFutureLinger.String(), fieldForm("IngestFutureLinger")))
+	}
 	positive("SHUTDOWN_TIMEOUT", c.ShutdownTimeout, "Go duration")
 	if c.KafkaTimeout < 100*time.Millisecond || c.KafkaTimeout > time.Minute {
 		errs = append(errs, c.bad("KAFKA_TIMEOUT", c.KafkaTimeout.String(), "Go duration, 100ms..1m"))

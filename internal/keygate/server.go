@@ -383,7 +383,10 @@ func hex4(b []byte) (rune, bool) {
 // position when nothing can be read from it (its high-water mark is its
 // log start). The marks are read once, not followed: what is produced
 // while the request waits is after the question, and following it could
-// wait for ever on a busy topic.
+// wait for ever on a busy topic. The first time a poll finds ingest
+// behind, it asks every process's ingest to write what it holds
+// (queries.IngestFlush), so that records lingering for
+// INGEST_FUTURE_LINGER do not make the answer wait that long.
 func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 	p := s.offsets.Load()
 	if p == nil {
@@ -405,7 +408,7 @@ func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 	dbCtx, dbCancel := context.WithDeadline(ctx, deadline.Add(queryGrace))
 	defer dbCancel()
 	delay := pollFirst
-	for {
+	for flushed := false; ; {
 		rows, err := queries.IngestPositions(dbCtx, s.cfg.DB, queries.IngestPositionsParams{Topic: topic, Partitions: parts})
 		if err != nil {
 			return "database: reading the ingest positions of " + topic + ": " + err.Error()
@@ -449,6 +452,16 @@ func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 		}
 		if behind == 0 {
 			return ""
+		}
+		if !flushed {
+			// Records that fall due later may be lingering in a batch
+			// (INGEST_FUTURE_LINGER): ask every process to write them now
+			// rather than wait them out. Once per request; a failure only
+			// makes the wait longer.
+			flushed = true
+			if err := queries.IngestFlush(dbCtx, s.cfg.DB); err != nil {
+				s.cfg.Logger.Debug("cannot ask ingest to write what it holds", "error", err)
+			}
 		}
 		left := time.Until(deadline)
 		if left <= 0 {

@@ -32,6 +32,7 @@ import (
 	"github.com/deferq/scheduler/internal/keystate"
 	"github.com/deferq/scheduler/internal/metrics"
 	"github.com/deferq/scheduler/internal/pgtest"
+	"github.com/deferq/scheduler/internal/runner"
 	"github.com/deferq/scheduler/sql/queries"
 )
 
@@ -752,8 +753,8 @@ func TestKafkaOffsets(t *testing.T) {
 }
 
 // startIngest runs the scheduler's ingest on the defer topic until the
-// test ends.
-func startIngest(t *testing.T, k *kafkaEnv, pool *pgxpool.Pool) {
+// test ends, with FutureLinger future; it returns the ingester.
+func startIngest(t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, future time.Duration) *ingest.Ingester {
 	t.Helper()
 	consumer, err := ingest.NewConsumer([]string{k.addr}, "scheduler", saramaConfig(), nil)
 	if err != nil {
@@ -762,7 +763,7 @@ func startIngest(t *testing.T, k *kafkaEnv, pool *pgxpool.Pool) {
 	in, err := ingest.NewIngester(consumer.Group, ingest.NewStore(pool, nil), ingest.IngestConfig{
 		Topic: topic, Group: "scheduler", Log: consumer.Log(),
 		Rules:     protocol.Rules{Targets: protocol.TargetPatterns{"orders.*"}, MaxDelay: 24 * time.Hour},
-		BatchSize: 100, BatchLinger: 5 * time.Millisecond,
+		BatchSize: 100, BatchLinger: 5 * time.Millisecond, FutureLinger: future,
 	}, testLogger(t))
 	if err != nil {
 		t.Fatal(err)
@@ -778,6 +779,7 @@ func startIngest(t *testing.T, k *kafkaEnv, pool *pgxpool.Pool) {
 		<-done
 		consumer.Close()
 	})
+	return in
 }
 
 // TestReadYourWrites goes through the real parts: records produced to the
@@ -809,7 +811,7 @@ func TestReadYourWrites(t *testing.T) {
 
 	// Ingest runs: the same question, with room to wait, is answered
 	// blocked once the record is stored.
-	startIngest(t, k, db.Pool)
+	startIngest(t, k, db.Pool, 0)
 	got = signedPost(keystate.Request{Group: "payments", Keys: []string{"order-1", "order-2"}, WaitMillis: 10_000})
 	var id, seq int64
 	if err := db.Pool.QueryRow(context.Background(), "SELECT id, seq FROM deferred_message WHERE business_key = 'order-1'").Scan(&id, &seq); err != nil {
@@ -848,4 +850,96 @@ func TestReadYourWrites(t *testing.T) {
 	if s := states["order-4"]; s.Blocked {
 		t.Errorf("order-4: %+v, want free", s)
 	}
+}
+
+// TestAnswerDoesNotWaitOutTheFutureLinger checks that a question asked
+// while ingest holds a deferral due far ahead (INGEST_FUTURE_LINGER) is
+// answered once ingest stored it at the question's request, not when the
+// linger ends: the server notifies queries.IngestFlushChannel, and the
+// service's listener (runner.Waker) hands that to the ingester's Flush.
+func TestAnswerDoesNotWaitOutTheFutureLinger(t *testing.T) {
+	db := pgtest.NewDB(t)
+	k := newKafka(t, 3)
+	srv := keygate.NewServer(keygate.Config{DB: db.Pool, Offsets: keygate.KafkaOffsets{Client: k.client}, Topic: topic,
+		Logger: testLogger(t)})
+	in := startIngest(t, k, db.Pool, time.Minute)
+	waker := runner.NewWaker(db.Pool, 5*time.Millisecond, testLogger(t))
+	waker.On(queries.IngestFlushChannel, in.Flush)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		waker.Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+
+	// Ingest has joined and stores at once what falls due soon.
+	waitStored := func(key string, within time.Duration) {
+		t.Helper()
+		deadline := time.Now().Add(within)
+		for {
+			var n int
+			if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM deferred_message WHERE business_key = $1", key).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n == 1 {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s not stored within %v", key, within)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	soon := &sarama.ProducerMessage{Topic: topic, Partition: 1, Value: sarama.StringEncoder("v"), Headers: []sarama.RecordHeader{
+		{Key: []byte(protocol.HeaderTarget), Value: []byte("orders.created")},
+		{Key: []byte(protocol.HeaderDelay), Value: []byte("0s")},
+		{Key: []byte(protocol.HeaderKey), Value: []byte("order-0")},
+	}}
+	if _, _, err := k.producer.SendMessage(soon); err != nil {
+		t.Fatal(err)
+	}
+	waitStored("order-0", 30*time.Second)
+	// The listener is up once a flush notification reaches it: a batch it
+	// flushes goes at once.
+	k.deferRecord(t, 1, "order-probe", "payments")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if err := queries.IngestFlush(context.Background(), db.Pool); err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM deferred_message WHERE business_key = 'order-probe'").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		if n == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("order-probe, due in an hour, not stored within 30s of flush notifications")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+
+	// A deferral due in an hour lingers in its batch for a minute; the
+	// question, with ten seconds to wait, gets its answer well before.
+	k.deferRecord(t, 2, "order-1", "payments")
+	time.Sleep(200 * time.Millisecond)
+	var n int
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM deferred_message WHERE business_key = 'order-1'").Scan(&n); err != nil || n != 0 {
+		t.Fatalf("order-1 stored before any question (%d rows, %v): the batch did not linger, the test proves nothing", n, err)
+	}
+	start := time.Now()
+	got := post(t, srv, keystate.Request{Group: "payments", Keys: []string{"order-1"}, WaitMillis: 10_000})
+	took := time.Since(start)
+	if got.status != 200 || len(got.resp.Keys) != 1 || !got.resp.Keys[0].Blocked {
+		t.Fatalf("got %d %q %+v after %v, want 200 with order-1 blocked", got.status, got.err, got.resp, took)
+	}
+	if took > 5*time.Second {
+		t.Errorf("answered after %v: the question waited for the linger, not for a flush", took)
+	}
+	t.Logf("answered after %v", took)
 }

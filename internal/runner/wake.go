@@ -4,10 +4,13 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/backoff"
@@ -39,6 +42,21 @@ type Waker struct {
 	// none), due at laterAt.
 	later   *time.Timer
 	laterAt time.Time
+
+	// also are the other channels listened on, each with what a
+	// notification on it calls (set by On before Run).
+	also map[string]func()
+}
+
+// On makes the listener also listen on channel, and call fn (on the
+// listener's goroutine: it must not block) for each notification there. It
+// must be called before Run. The service hands ingest's Flush the channel
+// key-state queries notify (queries.IngestFlushChannel).
+func (w *Waker) On(channel string, fn func()) {
+	if w.also == nil {
+		w.also = map[string]func(){}
+	}
+	w.also[channel] = fn
 }
 
 // NewWaker returns a Waker that wakes subscribers for heads due now at most
@@ -150,13 +168,19 @@ func (w *Waker) listen(ctx context.Context) (bool, error) {
 	// A connection that has LISTENed must not go back to the pool.
 	conn := pooled.Hijack()
 	defer conn.Close(context.WithoutCancel(ctx))
-	if _, err := conn.Exec(ctx, "LISTEN "+NotifyChannel); err != nil {
-		return false, fmt.Errorf("listen on %s: %w", NotifyChannel, err)
+	for _, ch := range append([]string{NotifyChannel}, slices.Sorted(maps.Keys(w.also))...) {
+		if _, err := conn.Exec(ctx, "LISTEN "+pgx.Identifier{ch}.Sanitize()); err != nil {
+			return false, fmt.Errorf("listen on %s: %w", ch, err)
+		}
 	}
 	for {
 		n, err := conn.WaitForNotification(ctx)
 		if err != nil {
 			return true, fmt.Errorf("wait for notifications: %w", err)
+		}
+		if fn, ok := w.also[n.Channel]; ok {
+			fn()
+			continue
 		}
 		if wait := dueIn(n.Payload); wait > 0 {
 			w.wakeAt(time.Now().Add(wait))

@@ -204,19 +204,23 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		Group: cfg.ConsumerGroup,
 		Rules: protocol.Rules{Targets: cfg.Targets(), MaxDelay: cfg.MaxDelay,
 			Policies: cfg.Policies(), Classifier: cfg.Classifier(), Signing: cfg.Signing()},
-		BatchSize:   cfg.IngestBatchSize,
-		BatchBytes:  cfg.IngestBatchBytes,
-		BatchLinger: cfg.IngestBatchLinger,
-		Writers:     cfg.IngestWriters,
-		Budget:      s.budget,
-		Log:         s.consumer.Log(),
-		Metrics:     s.metrics,
+		BatchSize:    cfg.IngestBatchSize,
+		BatchBytes:   cfg.IngestBatchBytes,
+		BatchLinger:  cfg.IngestBatchLinger,
+		FutureLinger: cfg.IngestFutureLinger,
+		Writers:      cfg.IngestWriters,
+		Budget:       s.budget,
+		Log:          s.consumer.Log(),
+		Metrics:      s.metrics,
 	}, logger.With("component", "ingest"))
 	if err != nil {
 		return nil, err
 	}
 	if cfg.ListenNotify {
 		s.waker = runner.NewWaker(s.pool, 5*time.Millisecond, logger.With("component", "notify"))
+		// A key-state query that waits for ingest asks every process to
+		// write what it lingers on (docs/design.md section 23.2).
+		s.waker.On(queries.IngestFlushChannel, s.ingester.Flush)
 	}
 	host, _ := os.Hostname()
 	s.runtime, err = runner.New(s.pool, s.producer, s.waker, runner.Config{

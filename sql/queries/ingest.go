@@ -147,6 +147,24 @@ func IngestCopy(ctx context.Context, db Copier, rows pgx.CopyFromSource) (int64,
 	return db.CopyFrom(ctx, pgx.Identifier{"deferred_message"}, IngestCopyColumns(), rows)
 }
 
+// IngestFlushChannel is the notification channel ingest_flush.sql sends
+// on: a process that listens on it has its ingest write what it holds.
+const IngestFlushChannel = "scheduler_ingest_flush"
+
+// IngestFlushParams are ingest_flush.sql's parameters.
+type IngestFlushParams struct {
+	Channel string // $1: IngestFlushChannel; a parameter so that Go and SQL share it
+}
+
+func (p IngestFlushParams) args() []any { return []any{p.Channel} }
+
+// IngestFlush asks every listening process's ingest to write the batches
+// it holds now (ingest_flush.sql).
+func IngestFlush(ctx context.Context, db DBTX) error {
+	_, err := db.Exec(ctx, ingestFlushSQL, IngestFlushParams{Channel: IngestFlushChannel}.args()...)
+	return err
+}
+
 // IngestPositionsParams are ingest_positions.sql's parameters.
 type IngestPositionsParams struct {
 	Topic      string  // $1

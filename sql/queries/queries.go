@@ -98,6 +98,8 @@ var (
 	inflightPartitionsSQL string
 	//go:embed inflight_release.sql
 	inflightReleaseSQL string
+	//go:embed ingest_flush.sql
+	ingestFlushSQL string
 	//go:embed ingest_insert.sql
 	ingestInsertSQL string
 	//go:embed ingest_position_set.sql
@@ -154,6 +156,7 @@ func files() map[string]string {
 		"history_prune.sql":              historyPruneSQL,
 		"inflight_partitions.sql":        inflightPartitionsSQL,
 		"inflight_release.sql":           inflightReleaseSQL,
+		"ingest_flush.sql":               ingestFlushSQL,
 		"ingest_insert.sql":              ingestInsertSQL,
 		"ingest_position_set.sql":        ingestPositionSetSQL,
 		"ingest_prepare.sql":             ingestPrepareSQL,
@@ -202,6 +205,7 @@ func Statements() []Statement {
 		return s
 	}
 	return []Statement{
+		st("ingest_flush.sql", IngestFlushParams{}, nil),
 		st("ingest_insert.sql", IngestInsertParams{}, IngestInsertRow{}),
 		st("ingest_positions.sql", IngestPositionsParams{}, IngestPositionsRow{}),
 		st("ingest_position_set.sql", IngestPositionSetParams{}, IngestPositionSetRow{}),

@@ -116,6 +116,16 @@ type IngestConfig struct {
 	// when nothing else is read or written: for a test that needs ingest
 	// to hold records, as it does under load.
 	AlwaysLinger bool
+	// FutureLinger is how long a batch whose every record falls due at
+	// least FutureLinger plus FutureMargin after it was read waits to fill
+	// (0: such batches are written as any other). Storing such records
+	// later costs them nothing, since they are stored well before they
+	// fall due and their delays count from when they were read; written
+	// together, they cost the database a fraction per record of what a
+	// lone record's statement does. A record due sooner joining the batch
+	// brings its write back to BatchLinger and the rules above; Flush
+	// writes it at once.
+	FutureLinger time.Duration
 	// Writers is how many insert statements run at once over every
 	// partition (0: DefaultWriters). Batches that come while all are busy
 	// are written together in the next one, within BatchSize and
@@ -185,6 +195,10 @@ type Ingester struct {
 	partitions  atomic.Int32
 	misroutedAt atomic.Int64
 
+	// flushReq is closed, and replaced, by Flush: claims select on the
+	// channel they last loaded.
+	flushReq atomic.Pointer[chan struct{}]
+
 	// afterStore, when set (tests), runs after a batch is committed to the
 	// database and before its offsets are marked; an error ends the claim
 	// there, as a crash would.
@@ -193,6 +207,11 @@ type Ingester struct {
 
 // DefaultWriters is IngestConfig.Writers when unset.
 const DefaultWriters = 2
+
+// FutureMargin is how long before its due time a record is always
+// stored, whatever FutureLinger says: the write, the head's notification
+// and a dispatch loop's wake-up all fit well within it.
+const FutureMargin = time.Second
 
 // errReread ends a claim whose partition must be read again from its stored
 // position: returning an error from ConsumeClaim ends the session, and the
@@ -212,6 +231,8 @@ func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, log
 		return nil, fmt.Errorf("ingest: batch bytes %d, need 0 (no bound) or more", cfg.BatchBytes)
 	case cfg.BatchLinger <= 0:
 		return nil, fmt.Errorf("ingest: batch linger %v must be positive", cfg.BatchLinger)
+	case cfg.FutureLinger < 0:
+		return nil, fmt.Errorf("ingest: future linger %v must be 0 (off) or positive", cfg.FutureLinger)
 	case cfg.Log == nil:
 		return nil, errors.New("ingest: no partition log to position claims with")
 	}
@@ -235,7 +256,19 @@ func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, log
 		cfg.Writers = DefaultWriters
 	}
 	w := newWriter(store, cfg.Writers, cfg.BatchSize, int64(cfg.BatchBytes))
-	return &Ingester{group: group, store: store, writer: w, cfg: cfg, logger: logger, now: time.Now}, nil
+	in := &Ingester{group: group, store: store, writer: w, cfg: cfg, logger: logger, now: time.Now}
+	flushReq := make(chan struct{})
+	in.flushReq.Store(&flushReq)
+	return in, nil
+}
+
+// Flush makes every claim write the batch it holds now, lingering or not:
+// a key-state query waits for ingest to store what the defer topic holds
+// (docs/design.md section 23.2), and must not wait for a FutureLinger.
+// Safe from any goroutine; a claim with nothing held ignores it.
+func (in *Ingester) Flush() {
+	next := make(chan struct{})
+	close(*in.flushReq.Swap(&next))
 }
 
 // Joined reports whether ingest currently holds a consumer-group session.
@@ -600,6 +633,15 @@ func (in *Ingester) Cleanup(sess sarama.ConsumerGroupSession) error {
 type batch struct {
 	msgs  []*sarama.ConsumerMessage
 	bytes int64
+	// entries are msgs parsed and judged as they were read, readAt when.
+	entries []Entry
+	readAt  []time.Time
+	// due is when the batch must be written: its earliest record's read
+	// time plus that record's linger (BatchLinger, or FutureLinger for a
+	// record due later than that plus FutureMargin). soon says some record
+	// is not such a far one.
+	due  time.Time
+	soon bool
 }
 
 // ConsumeClaim implements sarama.ConsumerGroupHandler: it batches the
@@ -664,7 +706,7 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 		if len(b.msgs) == 0 {
 			return nil
 		}
-		next, err := in.flush(ctx, sess, claim, pos, b.msgs)
+		next, err := in.flush(ctx, sess, claim, pos, b)
 		in.release(topic, partition, b)
 		if err == nil {
 			pos.Next = next
@@ -676,6 +718,7 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 		return err
 	}
 	for {
+		flushReq := *in.flushReq.Load()
 		select {
 		case msg, ok := <-claim.Messages():
 			if !ok {
@@ -702,24 +745,38 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 					return err
 				}
 			}
-			if len(b.msgs) == 0 {
-				linger.Reset(in.cfg.BatchLinger)
+			now := in.now()
+			e := prepare(msg.Offset, record(msg), in.cfg.Rules, now, in.cfg.Rand)
+			wait, far := in.linger(&e, now)
+			if due := now.Add(wait); len(b.msgs) == 0 || due.Before(b.due) {
+				b.due = due
+				linger.Reset(wait)
 			}
+			b.soon = b.soon || !far
 			b.msgs = append(b.msgs, msg)
+			b.entries = append(b.entries, e)
+			b.readAt = append(b.readAt, now)
 			b.bytes += size
 			full := len(b.msgs) >= in.cfg.BatchSize || (in.cfg.BatchBytes > 0 && b.bytes >= int64(in.cfg.BatchBytes))
 			// A batch also goes before its linger when the partition has
 			// nothing more read and no insert statement runs: the linger
 			// would only delay it, as nothing else is being written to
 			// share a statement with. Under load, statements run and
-			// records queue while they do, so batches still fill.
-			if full || (!in.cfg.AlwaysLinger && len(claim.Messages()) == 0 && in.writer.idle()) {
+			// records queue while they do, so batches still fill. Not a
+			// batch of far records only: waiting costs them nothing, and
+			// the records read meanwhile share its statement.
+			if full || (!in.cfg.AlwaysLinger && b.soon && len(claim.Messages()) == 0 && in.writer.idle()) {
 				linger.Stop()
 				if err := flush(ctx); err != nil {
 					return err
 				}
 			}
 		case <-linger.C:
+			if err := flush(ctx); err != nil {
+				return err
+			}
+		case <-flushReq:
+			linger.Stop()
 			if err := flush(ctx); err != nil {
 				return err
 			}
@@ -749,7 +806,44 @@ func (in *Ingester) release(topic string, partition int32, b *batch) {
 	}
 	clear(b.msgs) // no record kept alive by the slice's backing array
 	b.msgs = b.msgs[:0]
+	clear(b.entries)
+	b.entries = b.entries[:0]
+	b.readAt = b.readAt[:0]
 	b.bytes = 0
+	b.soon = false
+}
+
+// linger returns how long a record read at now may wait for its batch to
+// fill, and whether it is a far record: one that falls due at least
+// FutureLinger plus FutureMargin after now, which may wait FutureLinger.
+// A record rejected or parked at ingest is never far: nothing about it
+// waits for a due time.
+func (in *Ingester) linger(e *Entry, now time.Time) (time.Duration, bool) {
+	if in.cfg.FutureLinger <= 0 || e.Reject != nil || e.Decision.Park != nil {
+		return in.cfg.BatchLinger, false
+	}
+	var dueIn time.Duration
+	switch sc := &e.Schedule; {
+	case sc.HasAt:
+		dueIn = sc.At.Sub(now)
+	case sc.FromPolicy:
+		dueIn = e.Decision.Delay
+	default:
+		dueIn = sc.Delay
+	}
+	if dueIn < in.cfg.FutureLinger+FutureMargin {
+		return in.cfg.BatchLinger, false
+	}
+	return max(in.cfg.FutureLinger, in.cfg.BatchLinger), true
+}
+
+// record is msg as the protocol reads it.
+func record(msg *sarama.ConsumerMessage) protocol.Record {
+	rec := protocol.Record{Key: msg.Key, Value: msg.Value, Headers: make([]protocol.Header, len(msg.Headers))}
+	for j, h := range msg.Headers {
+		rec.Headers[j] = protocol.Header{Key: h.Key, Value: h.Value}
+	}
+	return rec
 }
 
 // finalContext is for the last write of a session that is ending: the session
@@ -765,16 +859,14 @@ func finalContext(ctx context.Context) (context.Context, context.CancelFunc) {
 // never marked, so its records are read again by whoever owns the partition
 // next. When the stored position is not pos, flush stores nothing, says what
 // happened and returns errReread.
-func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, pos Position, msgs []*sarama.ConsumerMessage) (int64, error) {
+func (in *Ingester) flush(ctx context.Context, sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim, pos Position, b *batch) (int64, error) {
 	topic, partition := claim.Topic(), claim.Partition()
 	start := in.now()
-	entries := make([]Entry, len(msgs))
-	for i, m := range msgs {
-		rec := protocol.Record{Key: m.Key, Value: m.Value, Headers: make([]protocol.Header, len(m.Headers))}
-		for j, h := range m.Headers {
-			rec.Headers[j] = protocol.Header{Key: h.Key, Value: h.Value}
-		}
-		entries[i] = prepare(m.Offset, rec, in.cfg.Rules, start, in.cfg.Rand)
+	msgs, entries := b.msgs, b.entries
+	// A delay counts from when ingest read the record (docs/design.md
+	// section 2.1): the time it waited here for its batch comes off it.
+	for i := range entries {
+		entries[i].waited(start.Sub(b.readAt[i]))
 	}
 	next := msgs[len(msgs)-1].Offset + 1
 	in.checkRouting(topic, partition, entries)
@@ -1062,6 +1154,23 @@ func (in *Ingester) StoreError() error {
 func prepare(offset int64, rec protocol.Record, rules protocol.Rules, now time.Time, rnd func() float64) Entry {
 	sc, d, rej := protocol.Judge(rec, rules, now, rnd)
 	return Entry{Offset: offset, Record: rec, Schedule: sc, Decision: d, Reject: rej}
+}
+
+// waited takes d, the time the record waited in ingest since it was read,
+// off the delay its due time is counted with (never below 0). A due time
+// given as a time (defer.at), and rows rejected or parked at ingest, keep
+// theirs.
+func (e *Entry) waited(d time.Duration) {
+	if d <= 0 || e.Reject != nil || e.Decision.Park != nil {
+		return
+	}
+	switch sc := &e.Schedule; {
+	case sc.HasAt:
+	case sc.FromPolicy:
+		e.Decision.Delay = max(e.Decision.Delay-d, 0)
+	default:
+		sc.Delay = max(sc.Delay-d, 0)
+	}
 }
 
 // rejectedByCode counts by reason code the rejected entries of a batch that

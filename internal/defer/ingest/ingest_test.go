@@ -450,6 +450,9 @@ func TestIngestEndToEnd(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			got := rowAt(t, db.Pool, c.msg.Partition, c.msg.Offset)
 			want := c.want
+			// Read, batched and written within a second here: the delay
+			// counts from the read.
+			want.waited = time.Second
 			if c.reasonPrefix != "" {
 				if got.Reason == nil || !strings.HasPrefix(*got.Reason, c.reasonPrefix) {
 					t.Errorf("reason %s, want it to start with %q", fmtPtr(got.Reason), c.reasonPrefix)
@@ -651,14 +654,21 @@ func TestIngestCountsOnReplay(t *testing.T) {
 
 // TestIngestBatching checks that a batch is written when it is full and
 // when its first record has waited BatchLinger, whichever comes first, and
-// at once when nothing else is read or written.
+// at once when nothing else is read or written; and that a batch of records
+// due later than FutureLinger plus FutureMargin waits FutureLinger unless a
+// record due sooner joins it or Flush is called.
 func TestIngestBatching(t *testing.T) {
 	tests := []struct {
 		name   string
 		size   int
 		linger time.Duration
-		always bool // AlwaysLinger
+		always bool          // AlwaysLinger
+		future time.Duration // FutureLinger
 		n      int
+		// delays are the records' defer.delay, in turn (default 1h).
+		delays []string
+		// flushAfter, when set, calls Flush that long after the produce.
+		flushAfter time.Duration
 		// The records are stored within within of their produce and no
 		// sooner than notBefore.
 		within, notBefore time.Duration
@@ -667,28 +677,97 @@ func TestIngestBatching(t *testing.T) {
 		{name: "a small batch waits for the linger", size: 1000, linger: 3 * time.Second, always: true, n: 10, within: 10 * time.Second, notBefore: 3 * time.Second},
 		{name: "a full batch does not wait for the linger", size: 5, linger: 10 * time.Second, n: 5, within: 2 * time.Second},
 		{name: "a lone record does not wait for the linger", size: 1000, linger: 10 * time.Second, n: 1, within: 2 * time.Second},
+		{name: "far records wait for the future linger", size: 1000, linger: 20 * time.Millisecond, future: 3 * time.Second,
+			n: 10, within: 10 * time.Second, notBefore: 3 * time.Second},
+		{name: "a far record alone waits for the future linger", size: 1000, linger: 20 * time.Millisecond, future: 3 * time.Second,
+			n: 1, within: 10 * time.Second, notBefore: 3 * time.Second},
+		{name: "a record due within the future linger and its margin does not wait", size: 1000, linger: 20 * time.Millisecond,
+			future: 3 * time.Second, n: 1, delays: []string{"3900ms"}, within: 2 * time.Second},
+		{name: "a record due at once takes far ones with it", size: 1000, linger: 20 * time.Millisecond, future: 10 * time.Second,
+			n: 10, delays: []string{"1h", "1h", "1h", "1h", "1h", "1h", "1h", "1h", "1h", "0s"}, within: 2 * time.Second},
+		{name: "a record defer.at far ahead waits", size: 1000, linger: 20 * time.Millisecond, future: 3 * time.Second,
+			n: 1, delays: []string{"at+1h"}, within: 10 * time.Second, notBefore: 3 * time.Second},
+		{name: "Flush writes a lingering batch", size: 1000, linger: 20 * time.Millisecond, future: 10 * time.Second,
+			n: 10, flushAfter: 500 * time.Millisecond, within: 3 * time.Second, notBefore: 500 * time.Millisecond},
+		{name: "a full batch of far records does not wait", size: 5, linger: 20 * time.Millisecond, future: 10 * time.Second,
+			n: 5, within: 2 * time.Second},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			db := pgtest.NewDB(t)
 			k := newKafka(t)
-			r := startIngester(t.Context(), t, k, db.Pool, "ingest-batching", IngestConfig{BatchSize: tt.size, BatchLinger: tt.linger, AlwaysLinger: tt.always}, nil)
+			r := startIngester(t.Context(), t, k, db.Pool, "ingest-batching",
+				IngestConfig{BatchSize: tt.size, BatchLinger: tt.linger, AlwaysLinger: tt.always, FutureLinger: tt.future}, nil)
 			r.waitJoined(t)
 
 			msgs := make([]*sarama.ProducerMessage, tt.n)
 			for i := range msgs {
-				msgs[i] = validRec(0, fmt.Sprintf("k-%d", i), "v")
+				delay := "1h"
+				if len(tt.delays) > 0 {
+					delay = tt.delays[i%len(tt.delays)]
+				}
+				if at, ok := strings.CutPrefix(delay, "at+"); ok {
+					d, err := time.ParseDuration(at)
+					if err != nil {
+						t.Fatal(err)
+					}
+					msgs[i] = rec(0, fmt.Appendf(nil, "k-%d", i), []byte("v"), protocol.HeaderTarget, "orders.created",
+						protocol.HeaderAt, time.Now().Add(d).UTC().Format(time.RFC3339Nano))
+					continue
+				}
+				msgs[i] = rec(0, fmt.Appendf(nil, "k-%d", i), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, delay)
 			}
 			start := time.Now()
 			k.produce(t, msgs...)
+			if tt.flushAfter > 0 {
+				time.Sleep(tt.flushAfter)
+				r.in.Flush()
+			}
 			waitRows(t, db.Pool, int64(tt.n), tt.within+5*time.Second)
 			if took := time.Since(start); took > tt.within || took < tt.notBefore {
-				t.Errorf("%d records stored %v after produce, want within %v and not before %v (batch size %d, linger %v, always linger %v)",
-					tt.n, took, tt.within, tt.notBefore, tt.size, tt.linger, tt.always)
+				t.Errorf("%d records stored %v after produce, want within %v and not before %v (batch size %d, linger %v, always linger %v, future linger %v, delays %v)",
+					tt.n, took, tt.within, tt.notBefore, tt.size, tt.linger, tt.always, tt.future, tt.delays)
 			} else {
 				t.Logf("%d records stored %v after produce", tt.n, took)
 			}
 		})
+	}
+}
+
+// TestIngestDelayCountsFromRead checks that the time a record waits in
+// ingest for its batch comes off its defer.delay, and not off a defer.at:
+// a record is due its delay after ingest read it, however long its batch
+// lingered.
+func TestIngestDelayCountsFromRead(t *testing.T) {
+	db := pgtest.NewDB(t)
+	k := newKafka(t)
+	r := startIngester(t.Context(), t, k, db.Pool, "ingest-delay-read",
+		IngestConfig{BatchSize: 1000, BatchLinger: 20 * time.Millisecond, FutureLinger: 2 * time.Second}, nil)
+	r.waitJoined(t)
+
+	at := time.Now().Add(time.Hour).UTC().Truncate(time.Microsecond)
+	delayed := rec(0, []byte("k-delay"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "1m")
+	fixed := rec(0, []byte("k-at"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderAt, at.Format(time.RFC3339Nano))
+	start := time.Now()
+	k.produce(t, delayed, fixed)
+	waitRows(t, db.Pool, 2, 10*time.Second)
+	stored := time.Since(start)
+
+	d := rowAt(t, db.Pool, 0, delayed.Offset)
+	if stored < 2*time.Second {
+		t.Fatalf("stored %v after produce; the batch should have lingered 2s", stored)
+	}
+	// Due a minute after the read, which was at most a few hundred
+	// milliseconds after the produce; counted from the write, it would be
+	// due two seconds later than that.
+	if got := d.NextRunAt.Sub(start); got < time.Minute || got > time.Minute+500*time.Millisecond {
+		t.Errorf("delay 1m, batch lingered %v: due %v after produce, want 1m to 1m0.5s", stored, got)
+	}
+	if got := d.NextRunAt.Sub(d.CreatedAt); got > time.Minute-time.Second {
+		t.Errorf("due %v after the row was written, want the linger's time (about 2s) taken off the minute", got)
+	}
+	if f := rowAt(t, db.Pool, 0, fixed.Offset); !f.NextRunAt.Equal(at) {
+		t.Errorf("defer.at %v stored as %v, want it unchanged", at, f.NextRunAt)
 	}
 }
 

@@ -29,8 +29,9 @@ const (
 	// HeaderAt is the RFC 3339 time to republish at. A time in the past
 	// means now.
 	HeaderAt = "defer.at"
-	// HeaderDelay is the delay from ingest: a Go duration ("1500ms",
-	// "1h30m") or a whole number of milliseconds ("2500").
+	// HeaderDelay is the delay from when ingest read the record: a Go
+	// duration ("1500ms", "1h30m") or a whole number of milliseconds
+	// ("2500").
 	HeaderDelay = "defer.delay"
 	// HeaderKey is the business-process key that orders deliveries. When
 	// absent the record key is used; when present and empty the record is
