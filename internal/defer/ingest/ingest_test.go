@@ -18,6 +18,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/defer/protocol"
 	"github.com/deferq/scheduler/internal/pgtest"
+	"github.com/deferq/scheduler/internal/policy"
 )
 
 const (
@@ -691,6 +692,8 @@ func TestIngestBatching(t *testing.T) {
 			n: 10, flushAfter: 500 * time.Millisecond, within: 3 * time.Second, notBefore: 500 * time.Millisecond},
 		{name: "a full batch of far records does not wait", size: 5, linger: 20 * time.Millisecond, future: 10 * time.Second,
 			n: 5, within: 2 * time.Second},
+		{name: "a record rejected at ingest takes far ones with it", size: 1000, linger: 20 * time.Millisecond, future: 10 * time.Second,
+			n: 5, delays: []string{"1h", "1h", "1h", "1h", "forever"}, within: 2 * time.Second},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -735,36 +738,45 @@ func TestIngestBatching(t *testing.T) {
 }
 
 // TestIngestDelayCountsFromRead checks that the time a record waits in
-// ingest for its batch comes off its defer.delay, and not off a defer.at:
-// a record is due its delay after ingest read it, however long its batch
-// lingered.
+// ingest for its batch comes off its defer.delay and off its retry
+// policy's delay, and not off a defer.at: a record is due its delay after
+// ingest read it, however long its batch lingered.
 func TestIngestDelayCountsFromRead(t *testing.T) {
 	db := pgtest.NewDB(t)
 	k := newKafka(t)
+	set, err := policy.Parse("orders.*: exponential 1m x2 cap 1h max 5", 24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rules := ingestRules()
+	rules.Policies = set
 	r := startIngester(t.Context(), t, k, db.Pool, "ingest-delay-read",
-		IngestConfig{BatchSize: 1000, BatchLinger: 20 * time.Millisecond, FutureLinger: 2 * time.Second}, nil)
+		IngestConfig{Rules: rules, BatchSize: 1000, BatchLinger: 20 * time.Millisecond, FutureLinger: 2 * time.Second}, nil)
 	r.waitJoined(t)
 
 	at := time.Now().Add(time.Hour).UTC().Truncate(time.Microsecond)
 	delayed := rec(0, []byte("k-delay"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "1m")
+	byPolicy := rec(0, []byte("k-policy"), []byte("v"), protocol.HeaderTarget, "orders.created")
 	fixed := rec(0, []byte("k-at"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderAt, at.Format(time.RFC3339Nano))
 	start := time.Now()
-	k.produce(t, delayed, fixed)
-	waitRows(t, db.Pool, 2, 10*time.Second)
+	k.produce(t, delayed, byPolicy, fixed)
+	waitRows(t, db.Pool, 3, 10*time.Second)
 	stored := time.Since(start)
-
-	d := rowAt(t, db.Pool, 0, delayed.Offset)
 	if stored < 2*time.Second {
 		t.Fatalf("stored %v after produce; the batch should have lingered 2s", stored)
 	}
-	// Due a minute after the read, which was at most a few hundred
-	// milliseconds after the produce; counted from the write, it would be
-	// due two seconds later than that.
-	if got := d.NextRunAt.Sub(start); got < time.Minute || got > time.Minute+500*time.Millisecond {
-		t.Errorf("delay 1m, batch lingered %v: due %v after produce, want 1m to 1m0.5s", stored, got)
-	}
-	if got := d.NextRunAt.Sub(d.CreatedAt); got > time.Minute-time.Second {
-		t.Errorf("due %v after the row was written, want the linger's time (about 2s) taken off the minute", got)
+
+	for _, m := range []*sarama.ProducerMessage{delayed, byPolicy} {
+		d := rowAt(t, db.Pool, 0, m.Offset)
+		// Due a minute after the read, which was at most a few hundred
+		// milliseconds after the produce; counted from the write, it
+		// would be due two seconds later than that.
+		if got := d.NextRunAt.Sub(start); got < time.Minute || got > time.Minute+500*time.Millisecond {
+			t.Errorf("offset %d, delay 1m, batch lingered %v: due %v after produce, want 1m to 1m0.5s", m.Offset, stored, got)
+		}
+		if got := d.NextRunAt.Sub(d.CreatedAt); got > time.Minute-time.Second {
+			t.Errorf("offset %d: due %v after the row was written, want the linger's time (about 2s) taken off the minute", m.Offset, got)
+		}
 	}
 	if f := rowAt(t, db.Pool, 0, fixed.Offset); !f.NextRunAt.Equal(at) {
 		t.Errorf("defer.at %v stored as %v, want it unchanged", at, f.NextRunAt)
