@@ -408,7 +408,7 @@ func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 	dbCtx, dbCancel := context.WithDeadline(ctx, deadline.Add(queryGrace))
 	defer dbCancel()
 	delay := pollFirst
-	for flushed := false; ; {
+	for {
 		rows, err := queries.IngestPositions(dbCtx, s.cfg.DB, queries.IngestPositionsParams{Topic: topic, Partitions: parts})
 		if err != nil {
 			return "database: reading the ingest positions of " + topic + ": " + err.Error()
@@ -453,15 +453,14 @@ func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 		if behind == 0 {
 			return ""
 		}
-		if !flushed {
-			// Records that fall due later may be lingering in a batch
-			// (INGEST_FUTURE_LINGER): ask every process to write them now
-			// rather than wait them out. Once per request; a failure only
-			// makes the wait longer.
-			flushed = true
-			if err := queries.IngestFlush(dbCtx, s.cfg.DB); err != nil {
-				s.cfg.Logger.Debug("cannot ask ingest to write what it holds", "error", err)
-			}
+		// Records that fall due later may be lingering in a batch
+		// (INGEST_FUTURE_LINGER): ask every process to write them now
+		// rather than wait them out. At every poll that finds ingest
+		// behind, not once: a record still on its way from the broker, or
+		// read by a claim that started since, would linger after the
+		// first. A failure only makes the wait longer.
+		if err := queries.IngestFlush(dbCtx, s.cfg.DB); err != nil {
+			s.cfg.Logger.Debug("cannot ask ingest to write what it holds", "error", err)
 		}
 		left := time.Until(deadline)
 		if left <= 0 {

@@ -782,6 +782,24 @@ func startIngest(t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, future time.Dura
 	return in
 }
 
+// startFlushListener runs the service's notification listener with flush
+// called on each ingest flush notification, until the test ends.
+func startFlushListener(t *testing.T, pool *pgxpool.Pool, flush func()) {
+	t.Helper()
+	waker := runner.NewWaker(pool, 5*time.Millisecond, testLogger(t))
+	waker.On(queries.IngestFlushChannel, flush)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		waker.Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+}
+
 // TestReadYourWrites goes through the real parts: records produced to the
 // defer topic, the scheduler's ingest storing them, the server waiting for
 // it, and deferclient asking.
@@ -863,18 +881,7 @@ func TestAnswerDoesNotWaitOutTheFutureLinger(t *testing.T) {
 	srv := keygate.NewServer(keygate.Config{DB: db.Pool, Offsets: keygate.KafkaOffsets{Client: k.client}, Topic: topic,
 		Logger: testLogger(t)})
 	in := startIngest(t, k, db.Pool, time.Minute)
-	waker := runner.NewWaker(db.Pool, 5*time.Millisecond, testLogger(t))
-	waker.On(queries.IngestFlushChannel, in.Flush)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		waker.Run(ctx)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-	})
+	startFlushListener(t, db.Pool, in.Flush)
 
 	// Ingest has joined and stores at once what falls due soon.
 	waitStored := func(key string, within time.Duration) {
@@ -942,4 +949,72 @@ func TestAnswerDoesNotWaitOutTheFutureLinger(t *testing.T) {
 		t.Errorf("answered after %v: the question waited for the linger, not for a flush", took)
 	}
 	t.Logf("answered after %v", took)
+}
+
+// TestAnswerFlushesAgainWhileBehind checks that a key-state request asks
+// ingest to write again at each poll that finds it behind, not once: a
+// flush that came before the claim that reads the record started (here,
+// before the process's ingest exists at all: a restart, a rebalance) leaves
+// that record to linger, and the answer would wait its whole FutureLinger.
+func TestAnswerFlushesAgainWhileBehind(t *testing.T) {
+	db := pgtest.NewDB(t)
+	k := newKafka(t, 3)
+	srv := keygate.NewServer(keygate.Config{DB: db.Pool, Offsets: keygate.KafkaOffsets{Client: k.client}, Topic: topic,
+		Logger: testLogger(t)})
+	var (
+		current atomic.Pointer[ingest.Ingester]
+		flushes atomic.Int64
+	)
+	startFlushListener(t, db.Pool, func() {
+		flushes.Add(1)
+		if in := current.Load(); in != nil {
+			in.Flush()
+		}
+	})
+	waitFlushes := func(n int64) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for flushes.Load() < n {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d flush notifications within 30s, want %d", flushes.Load(), n)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	// The listener is up once a notification reaches it.
+	for deadline := time.Now().Add(30 * time.Second); flushes.Load() == 0; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("no flush notification reached the listener within 30s")
+		}
+		if err := queries.IngestFlush(context.Background(), db.Pool); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(100 * time.Millisecond) // the probe's last notifications arrive
+
+	// A deferral due in an hour waits in the topic; no ingest runs yet.
+	k.deferRecord(t, 1, "order-1", "payments")
+	before := flushes.Load()
+	type reply struct {
+		got  answer
+		took time.Duration
+	}
+	answered := make(chan reply, 1)
+	start := time.Now()
+	go func() {
+		got := post(t, srv, keystate.Request{Group: "payments", Keys: []string{"order-1"}, WaitMillis: 10_000})
+		answered <- reply{got, time.Since(start)}
+	}()
+	// The request's first flush reaches no ingest; then ingest starts, and
+	// its batch would linger a minute.
+	waitFlushes(before + 1)
+	current.Store(startIngest(t, k, db.Pool, time.Minute))
+	a := <-answered
+	if a.got.status != 200 || len(a.got.resp.Keys) != 1 || !a.got.resp.Keys[0].Blocked {
+		t.Fatalf("got %d %q %+v after %v, want 200 with order-1 blocked", a.got.status, a.got.err, a.got.resp, a.took)
+	}
+	if a.took > 8*time.Second {
+		t.Errorf("answered after %v: the record lingered, the request flushed only once", a.took)
+	}
+	t.Logf("answered after %v, %d flush notifications", a.took, flushes.Load()-before)
 }

@@ -262,10 +262,13 @@ func NewIngester(group sarama.ConsumerGroup, store *Store, cfg IngestConfig, log
 	return in, nil
 }
 
-// Flush makes every claim write the batch it holds now, lingering or not:
-// a key-state query waits for ingest to store what the defer topic holds
-// (docs/design.md section 23.2), and must not wait for a FutureLinger.
-// Safe from any goroutine; a claim with nothing held ignores it.
+// Flush makes every claim write the batch it holds, lingering or not, as
+// soon as it has taken what the consumer has queued for it: a key-state
+// query waits for ingest to store what the defer topic holds (docs/design.md
+// section 23.2), and must not wait for a FutureLinger. A claim busy writing
+// when it comes does so right after. A claim with nothing held or queued
+// has nothing to do: records read later linger as usual (the key-state
+// query asks again while it waits). Safe from any goroutine.
 func (in *Ingester) Flush() {
 	next := make(chan struct{})
 	close(*in.flushReq.Swap(&next))
@@ -642,6 +645,9 @@ type batch struct {
 	// is not such a far one.
 	due  time.Time
 	soon bool
+	// asked says a Flush came while records were queued for the claim:
+	// the batch goes once it has read them, lingering or not.
+	asked bool
 }
 
 // ConsumeClaim implements sarama.ConsumerGroupHandler: it batches the
@@ -717,8 +723,12 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 		}
 		return err
 	}
+	// The claim keeps the flush channel it loaded until that one is
+	// closed: loaded afresh at each turn, one closed while a batch was
+	// being written would be missed, and the records read next, which may
+	// be what the asker waits for, would linger.
+	flushReq := *in.flushReq.Load()
 	for {
-		flushReq := *in.flushReq.Load()
 		select {
 		case msg, ok := <-claim.Messages():
 			if !ok {
@@ -765,7 +775,8 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 			// records queue while they do, so batches still fill. Not a
 			// batch of far records only: waiting costs them nothing, and
 			// the records read meanwhile share its statement.
-			if full || (!in.cfg.AlwaysLinger && b.soon && len(claim.Messages()) == 0 && in.writer.idle()) {
+			queued := len(claim.Messages())
+			if full || (b.asked && queued == 0) || (!in.cfg.AlwaysLinger && b.soon && queued == 0 && in.writer.idle()) {
 				linger.Stop()
 				if err := flush(ctx); err != nil {
 					return err
@@ -776,6 +787,13 @@ func (in *Ingester) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.
 				return err
 			}
 		case <-flushReq:
+			flushReq = *in.flushReq.Load()
+			if len(claim.Messages()) > 0 {
+				// What the consumer has already queued goes in this write
+				// too: it may be what the asker is waiting for.
+				b.asked = true
+				continue
+			}
 			linger.Stop()
 			if err := flush(ctx); err != nil {
 				return err
@@ -811,6 +829,7 @@ func (in *Ingester) release(topic string, partition int32, b *batch) {
 	b.readAt = b.readAt[:0]
 	b.bytes = 0
 	b.soon = false
+	b.asked = false
 }
 
 // linger returns how long a record read at now may wait for its batch to

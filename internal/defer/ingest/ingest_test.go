@@ -668,8 +668,10 @@ func TestIngestBatching(t *testing.T) {
 		n      int
 		// delays are the records' defer.delay, in turn (default 1h).
 		delays []string
-		// flushAfter, when set, calls Flush that long after the produce.
-		flushAfter time.Duration
+		// flushAfter, when set, calls Flush that long after the produce;
+		// flushBefore calls it before.
+		flushAfter  time.Duration
+		flushBefore bool
 		// The records are stored within within of their produce and no
 		// sooner than notBefore.
 		within, notBefore time.Duration
@@ -690,6 +692,9 @@ func TestIngestBatching(t *testing.T) {
 			n: 1, delays: []string{"at+1h"}, within: 10 * time.Second, notBefore: 3 * time.Second},
 		{name: "Flush writes a lingering batch", size: 1000, linger: 20 * time.Millisecond, future: 10 * time.Second,
 			n: 10, flushAfter: 500 * time.Millisecond, within: 3 * time.Second, notBefore: 500 * time.Millisecond},
+		// A Flush is for what is held when it comes, not a standing order.
+		{name: "Flush with nothing read leaves later records to linger", size: 1000, linger: 20 * time.Millisecond,
+			future: 3 * time.Second, n: 1, flushBefore: true, within: 10 * time.Second, notBefore: 3 * time.Second},
 		{name: "a full batch of far records does not wait", size: 5, linger: 20 * time.Millisecond, future: 10 * time.Second,
 			n: 5, within: 2 * time.Second},
 		{name: "a record rejected at ingest takes far ones with it", size: 1000, linger: 20 * time.Millisecond, future: 10 * time.Second,
@@ -720,6 +725,9 @@ func TestIngestBatching(t *testing.T) {
 				}
 				msgs[i] = rec(0, fmt.Appendf(nil, "k-%d", i), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, delay)
 			}
+			if tt.flushBefore {
+				r.in.Flush()
+			}
 			start := time.Now()
 			k.produce(t, msgs...)
 			if tt.flushAfter > 0 {
@@ -734,6 +742,45 @@ func TestIngestBatching(t *testing.T) {
 				t.Logf("%d records stored %v after produce", tt.n, took)
 			}
 		})
+	}
+}
+
+// TestIngestFlushDuringAWrite checks that a Flush that comes while a claim
+// is writing a batch is not lost: the records read after that write,
+// which a key-state query may be waiting for, go at once, not after
+// FutureLinger. The write of a record due now is held in afterStore while
+// a far record is produced behind it and Flush is called.
+func TestIngestFlushDuringAWrite(t *testing.T) {
+	db := pgtest.NewDB(t)
+	k := newKafka(t)
+	inStore, release := make(chan struct{}, 1), make(chan struct{})
+	var held atomic.Bool
+	afterStore := func() error {
+		if held.CompareAndSwap(false, true) {
+			inStore <- struct{}{}
+			<-release
+		}
+		return nil
+	}
+	r := startIngester(t.Context(), t, k, db.Pool, "ingest-flush-write",
+		IngestConfig{BatchSize: 1000, BatchLinger: 20 * time.Millisecond, FutureLinger: 10 * time.Second}, afterStore)
+	r.waitJoined(t)
+
+	k.produce(t, rec(0, []byte("k-now"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "0s"))
+	select {
+	case <-inStore:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the record due now was not written within 10s")
+	}
+	k.produce(t, rec(0, []byte("k-far"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "1h"))
+	// Time for the consumer to fetch it and queue it for the claim.
+	time.Sleep(300 * time.Millisecond)
+	r.in.Flush()
+	start := time.Now()
+	close(release)
+	waitRows(t, db.Pool, 2, 15*time.Second)
+	if took := time.Since(start); took > 2*time.Second {
+		t.Errorf("the far record was stored %v after the write ended, want well within the 10s future linger: the Flush was lost", took)
 	}
 }
 
