@@ -383,10 +383,10 @@ func hex4(b []byte) (rune, bool) {
 // position when nothing can be read from it (its high-water mark is its
 // log start). The marks are read once, not followed: what is produced
 // while the request waits is after the question, and following it could
-// wait for ever on a busy topic. The first time a poll finds ingest
-// behind, it asks every process's ingest to write what it holds
-// (queries.IngestFlush), so that records lingering for
-// INGEST_FUTURE_LINGER do not make the answer wait that long.
+// wait for ever on a busy topic. Each poll that finds ingest behind asks
+// every process's ingest to write what it holds (queries.IngestFlush), so
+// that records lingering for INGEST_FUTURE_LINGER do not make the answer
+// wait that long.
 func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 	p := s.offsets.Load()
 	if p == nil {
