@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -203,6 +204,9 @@ type Ingester struct {
 	// database and before its offsets are marked; an error ends the claim
 	// there, as a crash would.
 	afterStore func() error
+	// afterPositions, when set (tests), runs in watchPositions between
+	// reading the stored positions and comparing them.
+	afterPositions func()
 }
 
 // DefaultWriters is IngestConfig.Writers when unset.
@@ -464,6 +468,14 @@ func (in *Ingester) watchTopicID(ctx context.Context, id string) {
 // starts every claim from the stored positions and counts what it reads
 // again. A position ahead of the claim's is the claim's own batch being
 // stored, and is left alone.
+//
+// The stored positions are compared with the claims' positions from before
+// the query, not after it: a claim moves its position once its batch has
+// committed, so the query must see at least what it had before the query
+// began. A batch that commits while the query runs moves the claim's
+// position past what the query saw; compared after, that read as the
+// database going back in time, ended the session and logged an error
+// (docs/benchmarks.md, "The key-state query and the linger").
 func (in *Ingester) watchPositions(ctx context.Context, topic string, parts []int32) {
 	t := time.NewTicker(in.cfg.PositionCheck)
 	defer t.Stop()
@@ -473,14 +485,19 @@ func (in *Ingester) watchPositions(ctx context.Context, topic string, parts []in
 			return
 		case <-t.C:
 		}
+		in.posMu.Lock()
+		before := maps.Clone(in.positions)
+		in.posMu.Unlock()
 		stored, err := in.store.Positions(ctx, topic, parts)
 		if err != nil {
 			continue // the database is away; batches retry and readiness says so
 		}
-		in.posMu.Lock()
+		if in.afterPositions != nil {
+			in.afterPositions()
+		}
 		var moved []any
 		for _, p := range parts {
-			cur, ok := in.positions[p]
+			cur, ok := before[p]
 			if !ok || cur.Next == NoPosition {
 				continue
 			}
@@ -496,7 +513,6 @@ func (in *Ingester) watchPositions(ctx context.Context, topic string, parts []in
 					"stored_position", next, "stored_epoch", sp.Epoch)
 			}
 		}
-		in.posMu.Unlock()
 		if len(moved) > 0 {
 			in.requestReread()
 			return

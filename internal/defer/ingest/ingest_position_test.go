@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -235,6 +236,58 @@ func TestIngestNoticesRollbackWhileRunning(t *testing.T) {
 	}
 	if got := counter(t, reg, metrics.IngestReread); got != 6 {
 		t.Errorf("%s = %v, want 6 (offsets 4..9)", metrics.IngestReread, got)
+	}
+}
+
+// The position check reads the stored positions and then compares them
+// with the claims'. A batch that commits in between moves its claim's
+// position past what the check read: that is not the database going back
+// in time, and must neither be logged as such nor end the session. The
+// check is held after its read (the afterPositions hook) while a record is
+// produced and stored.
+func TestIngestPositionCheckIsNotFooledByAWriteDuringIt(t *testing.T) {
+	db := pgtest.NewDB(t)
+	k := newKafka(t)
+	store := NewStore(db.Pool, nil)
+	reg := prometheus.NewRegistry()
+	held, release := make(chan struct{}), make(chan struct{})
+	var armed, done atomic.Bool
+	r := startIngesterWith(t.Context(), t, k, db.Pool, "position-check-race", IngestConfig{BatchSize: 100,
+		BatchLinger: 10 * time.Millisecond, PositionCheck: 50 * time.Millisecond, Metrics: metrics.New(reg, "test")},
+		func(in *Ingester) {
+			in.afterPositions = func() {
+				if armed.Load() && done.CompareAndSwap(false, true) {
+					close(held)
+					<-release
+				}
+			}
+		})
+	k.produce(t, validRec(1, "k-0", "v"))
+	waitPosition(t, store, 1, 1)
+	armed.Store(true)
+	select {
+	case <-held:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the position check did not run within 30s")
+	}
+	// The check has read position 1; offset 1 is stored meanwhile.
+	k.produce(t, validRec(1, "k-1", "v"))
+	waitPosition(t, store, 1, 2)
+	waitFor(t, 30*time.Second, "the claim's own position at 2", func() (bool, string) {
+		r.in.posMu.Lock()
+		defer r.in.posMu.Unlock()
+		return r.in.positions[1].Next == 2, fmt.Sprint(r.in.positions[1].Next)
+	})
+	close(release)
+	// Three more checks, and a record through the same claim.
+	time.Sleep(200 * time.Millisecond)
+	k.produce(t, validRec(1, "k-2", "v"))
+	waitPosition(t, store, 1, 3)
+	if logs := r.logs(); strings.Contains(logs, "rolled back") || strings.Contains(logs, "looking at the partition again") {
+		t.Errorf("a batch stored during the position check was taken for the database going back in time:\n%s", logs)
+	}
+	if got := counter(t, reg, metrics.IngestReread); got != 0 {
+		t.Errorf("%s = %v, want 0", metrics.IngestReread, got)
 	}
 }
 

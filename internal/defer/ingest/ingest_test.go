@@ -209,6 +209,13 @@ type runningIngester struct {
 // targets means ingestRules().
 func startIngester(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, groupID string, cfg IngestConfig, afterStore func() error) *runningIngester {
 	t.Helper()
+	return startIngesterWith(ctx, t, k, pool, groupID, cfg, func(in *Ingester) { in.afterStore = afterStore })
+}
+
+// startIngesterWith is startIngester with hooks: set calls it on the
+// Ingester before it runs.
+func startIngesterWith(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, groupID string, cfg IngestConfig, set func(*Ingester)) *runningIngester {
+	t.Helper()
 	consumer, err := NewConsumer(k.addrs, groupID, saramaConfig(), cfg.Budget)
 	if err != nil {
 		t.Fatalf("consumer group: %v", err)
@@ -226,7 +233,7 @@ func startIngester(ctx context.Context, t *testing.T, k *kafkaEnv, pool *pgxpool
 		consumer.Close()
 		t.Fatalf("NewIngester: %v", err)
 	}
-	in.afterStore = afterStore
+	set(in)
 	ctx, cancel := context.WithCancel(ctx)
 	r := &runningIngester{in: in, consumer: consumer, log: log, cancel: cancel, done: make(chan error, 1)}
 	go func() {
