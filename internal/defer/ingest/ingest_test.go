@@ -769,8 +769,11 @@ func TestIngestFlushDuringAWrite(t *testing.T) {
 		}
 		return nil
 	}
+	// The budget counts a record when the consumer queues it for the
+	// claim: how the test knows the far record waits behind the write.
+	budget := NewBudget(1 << 20)
 	r := startIngester(t.Context(), t, k, db.Pool, "ingest-flush-write",
-		IngestConfig{BatchSize: 1000, BatchLinger: 20 * time.Millisecond, FutureLinger: 10 * time.Second}, afterStore)
+		IngestConfig{BatchSize: 1000, BatchLinger: 20 * time.Millisecond, FutureLinger: 10 * time.Second, Budget: budget}, afterStore)
 	r.waitJoined(t)
 
 	k.produce(t, rec(0, []byte("k-now"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "0s"))
@@ -779,9 +782,14 @@ func TestIngestFlushDuringAWrite(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the record due now was not written within 10s")
 	}
+	writing := budget.Used()
 	k.produce(t, rec(0, []byte("k-far"), []byte("v"), protocol.HeaderTarget, "orders.created", protocol.HeaderDelay, "1h"))
-	// Time for the consumer to fetch it and queue it for the claim.
-	time.Sleep(300 * time.Millisecond)
+	for deadline := time.Now().Add(10 * time.Second); budget.Used() == writing; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the far record was not queued for the claim within 10s")
+		}
+	}
+	time.Sleep(20 * time.Millisecond) // from the budget's count to the claim's queue
 	r.in.Flush()
 	start := time.Now()
 	close(release)
