@@ -857,14 +857,9 @@ func (in *Ingester) linger(e *Entry, now time.Time) (time.Duration, bool) {
 	if in.cfg.FutureLinger <= 0 || e.Reject != nil || e.Decision.Park != nil {
 		return in.cfg.BatchLinger, false
 	}
-	var dueIn time.Duration
-	switch sc := &e.Schedule; {
-	case sc.HasAt:
-		dueIn = sc.At.Sub(now)
-	case sc.FromPolicy:
-		dueIn = e.Decision.Delay
-	default:
-		dueIn = sc.Delay
+	dueIn := e.Schedule.At.Sub(now)
+	if d := e.delay(); d != nil {
+		dueIn = *d
 	}
 	if dueIn < in.cfg.FutureLinger+FutureMargin {
 		return in.cfg.BatchLinger, false
@@ -1196,15 +1191,23 @@ func prepare(offset int64, rec protocol.Record, rules protocol.Rules, now time.T
 // given as a time (defer.at), and rows rejected or parked at ingest, keep
 // theirs.
 func (e *Entry) waited(d time.Duration) {
-	if d <= 0 || e.Reject != nil || e.Decision.Park != nil {
-		return
+	if p := e.delay(); p != nil && d > 0 {
+		*p = max(*p-d, 0)
 	}
+}
+
+// delay returns the delay the entry falls due after, counted from when it
+// is stored: its defer.delay, or its retry policy's when it names no time.
+// It is nil for a due time given as a time (defer.at) and for a row
+// rejected or parked at ingest, which is stored due at once.
+func (e *Entry) delay() *time.Duration {
 	switch sc := &e.Schedule; {
-	case sc.HasAt:
+	case e.Reject != nil, e.Decision.Park != nil, sc.HasAt:
+		return nil
 	case sc.FromPolicy:
-		e.Decision.Delay = max(e.Decision.Delay-d, 0)
+		return &e.Decision.Delay
 	default:
-		sc.Delay = max(sc.Delay-d, 0)
+		return &sc.Delay
 	}
 }
 

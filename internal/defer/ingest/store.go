@@ -319,10 +319,8 @@ func (c *copySource) Values() ([]any, error) {
 		r[8] = now
 	case sc.HasAt:
 		r[8] = sc.At
-	case sc.FromPolicy:
-		r[8] = now.Add(e.Decision.Delay.Truncate(time.Microsecond))
 	default:
-		r[8] = now.Add(sc.Delay.Truncate(time.Microsecond))
+		r[8] = now.Add(e.delay().Truncate(time.Microsecond))
 	}
 	r[9] = sc.Attempt
 	res := &c.out[c.k].Inserted
@@ -448,10 +446,8 @@ func (s *Store) insertBatches(ctx context.Context, topic string, n int, batches 
 				// Never dispatched on their own: next_run_at is ingest time.
 			case sc.HasAt:
 				runAts[i] = &sc.At
-			case sc.FromPolicy:
-				delays[i] = e.Decision.Delay.Microseconds()
 			default:
-				delays[i] = sc.Delay.Microseconds()
+				delays[i] = e.delay().Microseconds()
 			}
 			attempts[i] = sc.Attempt
 			switch {
