@@ -51,7 +51,13 @@ const (
 // value, every header), the one index a due-time claim needs, and each
 // partition's next offset to read. No key heads, no history, no states: a
 // row exists until its message is published.
-const bareSchema = `
+const bareSchema = bareMessageTable + `
+CREATE INDEX bare_message_due ON bare_message (due_at);
+` + bareOffsetSchema
+
+// bareMessageTable is both bare queues' message table, as the bare queue
+// has it.
+const bareMessageTable = `
 CREATE TABLE bare_message (
     id            bigserial PRIMARY KEY,
     due_at        timestamptz NOT NULL,
@@ -60,12 +66,30 @@ CREATE TABLE bare_message (
     value         bytea,
     header_keys   text[] NOT NULL,
     header_values bytea[] NOT NULL
-);
-CREATE INDEX bare_message_due ON bare_message (due_at);
+);`
+
+// bareOffsetSchema is each partition's next offset to read, in both bare
+// queues.
+const bareOffsetSchema = `
 CREATE TABLE bare_offset (
     partition   int PRIMARY KEY,
     next_offset bigint NOT NULL
 )`
+
+// orderedSchema is the ordered bare queue's schema: the bare queue plus
+// what per-key order needs at least, kept on the message row (no second
+// table). is_head marks a key's first message, the only one of the key a
+// claim may take; a message without a key is its own head. The due-time
+// index holds heads only, the unique index on the key allows one head per
+// key (and finds it at insert), and the key's next message is found in an
+// index that holds only the messages behind a head: a key with one message
+// writes no entry there.
+const orderedSchema = bareMessageTable + `
+ALTER TABLE bare_message ADD COLUMN business_key text COLLATE "C", ADD COLUMN is_head boolean NOT NULL;
+CREATE INDEX bare_message_due ON bare_message (due_at) WHERE is_head;
+CREATE UNIQUE INDEX bare_message_head ON bare_message (business_key) WHERE is_head;
+CREATE INDEX bare_message_next ON bare_message (business_key, id) WHERE NOT is_head;
+` + bareOffsetSchema
 
 // bareInsert stores one batch of one partition, and moves the partition's
 // next offset to $2 in the same statement, as ingest_insert.sql does: the
@@ -75,7 +99,17 @@ CREATE TABLE bare_offset (
 // key, value); the headers come flattened as in ingest_insert.sql, $8 the
 // 1-based record of each, $9 and $10 its key and value. Like the service,
 // a delay counts from the database's clock, which the claim reads too.
-const bareInsert = `
+const bareInsert = bareInsertBatch + `
+INSERT INTO bare_message (due_at, target_topic, key, value, header_keys, header_values)
+SELECT coalesce(r.run_at, now() + r.delay_us * interval '1 microsecond'), r.target_topic, r.key, r.value,
+       coalesce(h.keys, '{}'), coalesce(h.vals, '{}')
+FROM unnest($3::timestamptz[], $4::bigint[], $5::text[], $6::bytea[], $7::bytea[])
+     WITH ORDINALITY AS r (run_at, delay_us, target_topic, key, value, record)
+LEFT JOIN headers h ON h.record = r.record`
+
+// bareInsertBatch opens both bare queues' insert statements: the
+// partition's next offset, and the batch's headers gathered per record.
+const bareInsertBatch = `
 WITH position AS (
     INSERT INTO bare_offset (partition, next_offset) VALUES ($1, $2)
     ON CONFLICT (partition) DO UPDATE SET next_offset = excluded.next_offset
@@ -83,13 +117,29 @@ WITH position AS (
     SELECT h.record, array_agg(h.key ORDER BY h.position) AS keys, array_agg(h.value ORDER BY h.position) AS vals
     FROM unnest($8::int[], $9::text[], $10::bytea[]) WITH ORDINALITY AS h (record, key, value, position)
     GROUP BY h.record
+)`
+
+// orderedInsert is bareInsert for the ordered bare queue; $11 has each
+// record's business key or NULL. A record is its key's head when it is the
+// key's first in the batch and the key has no head stored: the head is
+// read FOR KEY SHARE, so that a claim deleting it meanwhile (it holds it
+// FOR UPDATE) is waited for, or skips it until this commits and then
+// promotes this batch's record. (A claim that promoted another message
+// while this waited makes this statement fail on the unique head index; the
+// bench's records, one key each, never meet that.)
+const orderedInsert = bareInsertBatch + `, recs AS (
+    SELECT r.*, r.business_key IS NULL OR r.record = min(r.record) OVER (PARTITION BY r.business_key) AS first
+    FROM unnest($3::timestamptz[], $4::bigint[], $5::text[], $6::bytea[], $7::bytea[], $11::text[])
+         WITH ORDINALITY AS r (run_at, delay_us, target_topic, key, value, business_key, record)
 )
-INSERT INTO bare_message (due_at, target_topic, key, value, header_keys, header_values)
-SELECT coalesce(r.run_at, now() + r.delay_us * interval '1 microsecond'), r.target_topic, r.key, r.value,
+INSERT INTO bare_message (business_key, is_head, due_at, target_topic, key, value, header_keys, header_values)
+SELECT r.business_key,
+       r.first AND NOT EXISTS (SELECT FROM bare_message o WHERE o.business_key = r.business_key AND o.is_head FOR KEY SHARE),
+       coalesce(r.run_at, now() + r.delay_us * interval '1 microsecond'), r.target_topic, r.key, r.value,
        coalesce(h.keys, '{}'), coalesce(h.vals, '{}')
-FROM unnest($3::timestamptz[], $4::bigint[], $5::text[], $6::bytea[], $7::bytea[])
-     WITH ORDINALITY AS r (run_at, delay_us, target_topic, key, value, record)
-LEFT JOIN headers h ON h.record = r.record`
+FROM recs r
+LEFT JOIN headers h ON h.record = r.record
+ORDER BY r.record`
 
 // bareClaim deletes up to $1 due rows, oldest due first, skipping rows
 // another loop holds, and returns them. It runs in a transaction that
@@ -107,6 +157,25 @@ WITH due AS (
 DELETE FROM bare_message m USING due WHERE m.id = due.id
 RETURNING m.id, m.due_at, m.target_topic, m.key, m.value, m.header_keys, m.header_values`
 
+// orderedClaim is bareClaim for the ordered bare queue: it takes due heads
+// only, and makes each deleted head's next message its key's head, in the
+// same statement (visible when the claim commits, after the publish). The
+// next messages are found by key and updated by id, so that no plan made
+// on an empty table's statistics scans the table for them.
+const orderedClaim = `
+WITH due AS (
+    SELECT id FROM bare_message WHERE is_head AND due_at <= now() ORDER BY due_at LIMIT $1 FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM bare_message m USING due WHERE m.id = due.id
+    RETURNING m.id, m.business_key, m.due_at, m.target_topic, m.key, m.value, m.header_keys, m.header_values
+), promoted AS (
+    UPDATE bare_message n SET is_head = true
+    WHERE n.id = ANY (ARRAY(
+        SELECT (SELECT o.id FROM bare_message o WHERE o.business_key = g.business_key AND NOT o.is_head ORDER BY o.id LIMIT 1)
+        FROM gone g WHERE g.business_key IS NOT NULL))
+)
+SELECT id, due_at, target_topic, key, value, header_keys, header_values FROM gone`
+
 // bareResult is the bare durable queue's measurements.
 type bareResult struct {
 	e2e   rate
@@ -119,6 +188,8 @@ type bareQueue struct {
 	db       *database
 	producer *batchproducer.Producer
 	rules    protocol.Rules
+	// ordered: the ordered bare queue (orderedSchema), not the bare one.
+	ordered bool
 	// wake has one channel per dispatch loop, each holding at most one
 	// signal: ingest signals every loop after each commit, so a loop that
 	// found fewer rows than it asked for waits for new rows without
@@ -137,14 +208,22 @@ type bareQueue struct {
 // delete with bareClaim. After a warm-up, it runs the service's end-to-end
 // phase (the same records, own keys, due now), timed from the first produce
 // to the last arrival, on a fresh database and broker, in this process.
-func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
+//
+// With ordered, it is the ordered bare queue instead: the same with per-key
+// order kept on the message row (orderedSchema, orderedInsert,
+// orderedClaim), what key order costs at the least in this shape.
+func (b *bench) runBare(ctx context.Context, ordered bool) (res bareResult, err error) {
+	what, schema, profile := "bare queue", bareSchema, "bare"
+	if ordered {
+		what, schema, profile = "ordered bare queue", orderedSchema, "ordered"
+	}
 	db, err := b.pg.fresh(ctx, "bare")
 	if err != nil {
 		return res, err
 	}
 	defer func() { err = errors.Join(err, b.pg.drop(context.WithoutCancel(ctx), db)) }()
-	if _, err := db.pool.Exec(ctx, bareSchema); err != nil {
-		return res, fmt.Errorf("bare queue: create its tables: %w", err)
+	if _, err := db.pool.Exec(ctx, schema); err != nil {
+		return res, fmt.Errorf("%s: create its tables: %w", what, err)
 	}
 	kc, addr, err := startKafka(b.cfg.Partitions, deferTopic, topicWarmup, topicE2E)
 	if err != nil {
@@ -185,7 +264,7 @@ func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
 		return res, fmt.Errorf("bare queue: read positions: %w", err)
 	}
 
-	q := &bareQueue{db: db, producer: sp, wake: make([]chan struct{}, dispatchLoops),
+	q := &bareQueue{db: db, producer: sp, ordered: ordered, wake: make([]chan struct{}, dispatchLoops),
 		rules: protocol.Rules{Targets: protocol.TargetPatterns{"bench.*"}, MaxDelay: 720 * time.Hour}}
 	for i := range q.wake {
 		q.wake[i] = make(chan struct{}, 1)
@@ -263,7 +342,7 @@ func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
 
 	// The service's records exactly: same keys, values and headers.
 	n, warm := b.cfg.N, b.cfg.Warmup
-	if res.e2e, err = b.endToEnd(qctx, lp, w, db, "bare queue", "bare", "w", "e"); err != nil {
+	if res.e2e, err = b.endToEnd(qctx, lp, w, db, what, profile, "w", "e"); err != nil {
 		return res, err
 	}
 	if err := stop(); err != nil {
@@ -271,16 +350,18 @@ func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
 	}
 
 	// Checks: every message arrived (the bare queue promises no order, so
-	// only presence counts), and no row is left: every published row was
-	// deleted, every delete committed.
+	// only presence counts; the ordered one keeps it), and no row is left:
+	// every published row was deleted, every delete committed.
 	for _, ph := range []phaseTopic{{topicWarmup, warm}, {topicE2E, n}} {
 		ds, err := readBack(ctx, addr, ph.topic)
 		if err != nil {
 			return res, err
 		}
 		c := verify(ds, ph.n)
-		c.outOfOrder = 0
-		if err := c.err("bare queue, " + ph.topic); err != nil {
+		if !ordered {
+			c.outOfOrder = 0
+		}
+		if err := c.err(what + ", " + ph.topic); err != nil {
 			return res, err
 		}
 		if ph.topic == topicE2E {
@@ -289,10 +370,10 @@ func (b *bench) runBare(ctx context.Context) (res bareResult, err error) {
 	}
 	var left int64
 	if err := db.pool.QueryRow(ctx, "SELECT count(*) FROM bare_message").Scan(&left); err != nil {
-		return res, fmt.Errorf("bare queue: count rows left: %w", err)
+		return res, fmt.Errorf("%s: count rows left: %w", what, err)
 	}
 	if left > 0 {
-		return res, fmt.Errorf("bare queue: %d rows left after every message arrived", left)
+		return res, fmt.Errorf("%s: %d rows left after every message arrived", what, left)
 	}
 	return res, nil
 }
@@ -353,6 +434,7 @@ func (q *bareQueue) store(ctx context.Context, partition int32, msgs []*sarama.C
 		at      = make([]*time.Time, len(msgs)) // nil: due after delay
 		delay   = make([]int64, len(msgs))
 		targets = make([]string, len(msgs))
+		bizKeys = make([]*string, len(msgs)) // nil: no business key
 		keys    = make([][]byte, len(msgs))
 		values  = make([][]byte, len(msgs))
 		hRecord []int32
@@ -379,9 +461,16 @@ func (q *bareQueue) store(ctx context.Context, partition int32, msgs []*sarama.C
 			delay[i] = sc.Delay.Microseconds()
 		}
 		targets[i], keys[i], values[i] = sc.Target, m.Key, m.Value
+		if sc.Ordered {
+			bizKeys[i] = &sc.BusinessKey
+		}
 	}
 	next := msgs[len(msgs)-1].Offset + 1
-	if _, err := q.db.pool.Exec(ctx, bareInsert, partition, next, at, delay, targets, keys, values, hRecord, hKey, hValue); err != nil {
+	stmt, args := bareInsert, []any{partition, next, at, delay, targets, keys, values, hRecord, hKey, hValue}
+	if q.ordered {
+		stmt, args = orderedInsert, append(args, bizKeys)
+	}
+	if _, err := q.db.pool.Exec(ctx, stmt, args...); err != nil {
 		return fmt.Errorf("bare queue: store %d records of %s/%d: %w", len(msgs), deferTopic, partition, err)
 	}
 	for _, w := range q.wake {
@@ -436,7 +525,11 @@ func (q *bareQueue) publishDue(ctx context.Context) (n int, err error) {
 			err = errors.Join(err, tx.Rollback(context.WithoutCancel(ctx)))
 		}
 	}()
-	rows, err := tx.Query(ctx, bareClaim, claimKeys)
+	claim := bareClaim
+	if q.ordered {
+		claim = orderedClaim
+	}
+	rows, err := tx.Query(ctx, claim, claimKeys)
 	if err != nil {
 		return 0, fmt.Errorf("bare queue: claim: %w", err)
 	}
@@ -488,12 +581,17 @@ func (b *bench) runWide(ctx context.Context, res *results) error {
 // runBareContender runs the bare durable queue, into res.bare.
 func (b *bench) runBareContender(ctx context.Context, res *results) error {
 	b.say("bare durable queue: one table, written once and deleted once per message")
-	bare, err := b.runBare(ctx)
+	bare, err := b.runBare(ctx, false)
 	if err != nil {
 		return err
 	}
 	b.say("  %.0f/s", bare.e2e.perSecond())
 	res.bare = bare
+	b.say("ordered bare queue: the same with per-key order on the message row")
+	if res.ordered, err = b.runBare(ctx, true); err != nil {
+		return err
+	}
+	b.say("  %.0f/s", res.ordered.e2e.perSecond())
 	return nil
 }
 
@@ -530,6 +628,12 @@ func (r *results) summarizeDurability(s *summary) {
 		s.set("bare_pg_cpu_us_per_msg", perMsg(r.bare.e2e.cpu.postgres))
 		s.set("bare_go_cpu_us_per_msg", perMsg(r.bare.e2e.cpu.bench))
 		s.set("bare_duplicates", float64(r.bare.check.duplicates))
+		if o := r.ordered.e2e; o.n > 0 {
+			s.set("ordered_msgs_per_s", o.perSecond())
+			s.set("ordered_vs_bare", ratio(o.perSecond(), r.bare.e2e.perSecond()))
+			s.set("e2e_vs_ordered", ratio(own.e2e.perSecond(), o.perSecond()))
+			s.set("ordered_pg_cpu_us_per_msg", float64(o.cpu.postgres.Microseconds())/float64(o.n))
+		}
 		if own.e2e.stmts != nil && r.bare.e2e.stmts != nil {
 			s.set("e2e_pg_exec_us_per_msg", own.e2e.perMsg(topLevel(own.e2e.stmts)))
 			s.set("bare_pg_exec_us_per_msg", r.bare.e2e.perMsg(topLevel(r.bare.e2e.stmts)))
@@ -557,6 +661,9 @@ func (r *results) durabilityRows(row func(who, phase, keys string, backlog int, 
 	}
 	if r.bare.e2e.n > 0 {
 		row("bare queue", "end to end", "own", 0, r.bare.e2e)
+	}
+	if r.ordered.e2e.n > 0 {
+		row("ordered bare queue", "end to end", "own", 0, r.ordered.e2e)
 	}
 }
 
@@ -589,7 +696,10 @@ func (r *results) writeDurability(w io.Writer, v map[string]float64) {
 		for _, c := range []struct {
 			who string
 			rt  rate
-		}{{"scheduler", own.e2e}, {"bare queue", r.bare.e2e}} {
+		}{{"scheduler", own.e2e}, {"bare queue", r.bare.e2e}, {"ordered bare queue", r.ordered.e2e}} {
+			if c.rt.n == 0 {
+				continue
+			}
 			cpu := c.rt.cpu
 			fmt.Fprintf(tw, "%s\t%s\t%.0f\t%.0f\t%.0f\t%.0f\t\n", c.who, group(c.rt.perSecond()), perMsg(cpu.postgres, c.rt.n),
 				perMsg(cpu.service, c.rt.n), perMsg(cpu.bench, c.rt.n), perMsg(cpu.postgres+cpu.service+cpu.bench, c.rt.n))
@@ -597,6 +707,12 @@ func (r *results) writeDurability(w io.Writer, v map[string]float64) {
 		tw.Flush()
 		fmt.Fprintf(w, "end to end / bare queue: %.2f. \"this process\" holds kfake and the load generators for both, and the bare queue itself.\n",
 			v["e2e_vs_bare"])
+		if r.ordered.e2e.n > 0 {
+			fmt.Fprintf(w, "Ordered bare queue / bare queue: %.2f; end to end / ordered bare queue: %.2f. The ordered bare queue keeps per-key order\n",
+				v["ordered_vs_bare"], v["e2e_vs_ordered"])
+			fmt.Fprintln(w, "on the message row: a head flag, a unique head index per key, the due-time index on heads only, and the key's next")
+			fmt.Fprintln(w, "message made its head in the claim's statement; no lease, history, parking or fairness.")
+		}
 		fmt.Fprintf(w, "Bare queue: per partition, batches of up to %s records / %v stored with their offsets in one statement; %d loops,\n",
 			group(ingestBatch), bareLinger, dispatchLoops)
 		fmt.Fprintf(w, "each in one transaction: delete up to %d due rows (FOR UPDATE SKIP LOCKED) returning them, publish, commit.\n", claimKeys)
@@ -605,7 +721,8 @@ func (r *results) writeDurability(w io.Writer, v map[string]float64) {
 		writeStatements(w, "WHERE POSTGRES'S TIME GOES (end to end, own keys: each statement's executor time per message, pg_stat_statements;\n"+
 			"wall time, lock waits and time off the CPU included. \"inside\" are statements run by triggers and functions:\n"+
 			"their time is already in the statement that ran them)",
-			[]stmtPhase{{"scheduler", own.e2e.n, own.e2e.stmts}, {"bare queue", r.bare.e2e.n, r.bare.e2e.stmts}})
+			[]stmtPhase{{"scheduler", own.e2e.n, own.e2e.stmts}, {"bare queue", r.bare.e2e.n, r.bare.e2e.stmts},
+				{"ordered bare queue", r.ordered.e2e.n, r.ordered.e2e.stmts}})
 	}
 }
 

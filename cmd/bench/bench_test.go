@@ -62,7 +62,7 @@ func TestSmokeRun(t *testing.T) {
 		// part, cannot.
 		"e2e_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end",
 		"gate_off_msgs_per_s", "gate_on_msgs_per_s", "gate_blocked1_msgs_per_s", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms",
-		"bare_msgs_per_s", "e2e_vs_bare", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "dispatch_p64_msgs_per_s"} {
+		"bare_msgs_per_s", "e2e_vs_bare", "ordered_msgs_per_s", "ordered_vs_bare", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "dispatch_p64_msgs_per_s"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])
 		}
@@ -83,12 +83,13 @@ func TestSmokeRun(t *testing.T) {
 	}
 	for _, section := range []string{"THROUGHPUT", "LATENESS", "MEMORY", "COMPARED WITH THE TARGETS", "CPU PER MESSAGE",
 		"KEY GATE", "KEY-STATE QUERY", "RELEASE AFTER COMMIT", "CONSOLE PAGES", "machine:", "speed:", "database: PostgreSQL",
-		"PARTITIONS", "BARE DURABLE QUEUE", "end to end / bare durable queue", "end to end, 64 partitions / 4"} {
+		"PARTITIONS", "BARE DURABLE QUEUE", "end to end / bare durable queue", "Ordered bare queue / bare queue",
+		"end to end, 64 partitions / 4"} {
 		if !strings.Contains(report, section) {
 			t.Errorf("report lacks %q:\n%s", section, report)
 		}
 	}
-	for _, name := range []string{"ceiling.cpu.pprof", "bare.cpu.pprof", "service_svc_own_0_p64_e2e.cpu.pprof", "service_svc_own_0_ingest.cpu.pprof",
+	for _, name := range []string{"ceiling.cpu.pprof", "bare.cpu.pprof", "ordered.cpu.pprof", "service_svc_own_0_p64_e2e.cpu.pprof", "service_svc_own_0_ingest.cpu.pprof",
 		"service_svc_own_0_dispatch.cpu.pprof", "service_svc_own_0_e2e.cpu.pprof"} {
 		if fi, err := os.Stat(filepath.Join(cfg.ProfileDir, name)); err != nil || fi.Size() == 0 {
 			t.Errorf("profile %s: %v (empty: %v)", name, err, err == nil)
@@ -164,7 +165,8 @@ func TestSmokeOnlyDurability(t *testing.T) {
 		// target is a row the targets table must have.
 		target string
 	}{
-		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare"}, "BARE DURABLE QUEUE", "end to end / bare durable queue"},
+		{onlyBare, []string{"e2e_msgs_per_s", "bare_msgs_per_s", "e2e_vs_bare", "ordered_msgs_per_s", "ordered_vs_bare", "e2e_vs_ordered"},
+			"Ordered bare queue / bare queue", "end to end / bare durable queue"},
 		{onlyPartitions, []string{"e2e_msgs_per_s", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4"}, "PARTITIONS",
 			"ingest, 64 partitions / 4"},
 		{onlyLateness, []string{"e2e_msgs_per_s", "p99_lateness_ms", "p99_lateness_vacuumed_ms", "max_lateness_vacuumed_ms"}, "after a VACUUM",

@@ -15,7 +15,8 @@
 //   - River alone, one job per message, as a user would build it instead;
 //   - a bare durable queue (one table, written once and deleted once per
 //     message, with the service's Kafka clients): what durability alone
-//     costs;
+//     costs; and the same keeping per-key order on the message row (the
+//     ordered bare queue): what key order adds at the least;
 //   - the "1,000 messages/s" figure often quoted for database-backed queues;
 //   - the key gate of the client library (deferclient): a consumer's
 //     throughput with the gate off and on, the key-state query's latency,
@@ -34,8 +35,9 @@
 // BENCH_ONLY=console only the console scenario (console.go: the operator
 // console's pages against a production-shaped database of a million
 // messages, p50/p95/max each against a 250 ms p95 budget);
-// BENCH_ONLY=bare the service's own-key scenario and the bare durable queue
-// (bare.go: what durability alone costs), BENCH_ONLY=partitions the
+// BENCH_ONLY=bare the service's own-key scenario and the bare durable
+// queues (bare.go: what durability alone costs, and with per-key order),
+// BENCH_ONLY=partitions the
 // own-key scenario on 4 and on 64 partitions, BENCH_ONLY=lateness the
 // own-key scenario with its lateness phases (the second on queue tables a
 // VACUUM emptied, as autovacuum leaves them). BENCH_ONLY=fair runs only the

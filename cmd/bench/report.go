@@ -82,9 +82,11 @@ type results struct {
 	broker               brokerResult
 	river                riverResult
 	// wide is the own-key scenario on widePartitions partitions, nil when
-	// not run; bare the bare durable queue (bare.go), zero when not run.
-	wide *scenario
-	bare bareResult
+	// not run; bare the bare durable queue (bare.go) and ordered the
+	// ordered bare queue, zero when not run.
+	wide    *scenario
+	bare    bareResult
+	ordered bareResult
 
 	// fair is the fairness scenario (fair.go); scale the scaling curves
 	// (scale.go), zero unless BENCH_ONLY=scale.
@@ -371,6 +373,7 @@ var requiredKeys = []string{
 	"gate_on_vs_off", "gate_blocked1_vs_off", "gate_p99_ms", "gate_busy_p99_ms", "release_p50_ms", "release_p99_ms",
 	"console_rows", "console_worst_p95_ms", "console_pages_over_budget",
 	"bare_msgs_per_s", "e2e_vs_bare", "bare_pg_cpu_us_per_msg", "bare_go_cpu_us_per_msg",
+	"ordered_msgs_per_s", "ordered_vs_bare", "e2e_vs_ordered", "ordered_pg_cpu_us_per_msg",
 	"e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4",
 	"fair_quiet_p99_ms", "fair_quiet_p50_ms", "fair_backlog_msgs_per_s",
 }
