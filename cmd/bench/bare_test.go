@@ -60,15 +60,15 @@ func claimIn(t *testing.T, tx pgx.Tx) []claimed {
 	}
 	out, err := pgx.CollectRows(rows, func(row pgx.CollectableRow) (claimed, error) {
 		var (
-			c       claimed
-			due     time.Time
-			key     []byte
-			value   []byte
-			ignore1 string
-			hk      []string
-			hv      [][]byte
+			c      claimed
+			due    time.Time
+			key    []byte
+			value  []byte
+			target string
+			hk     []string
+			hv     [][]byte
 		)
-		err := row.Scan(&c.id, &due, &ignore1, &key, &value, &hk, &hv)
+		err := row.Scan(&c.id, &due, &target, &key, &value, &hk, &hv)
 		c.key, c.value = string(key), string(value)
 		return c, err
 	})

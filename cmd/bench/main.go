@@ -37,10 +37,9 @@
 // messages, p50/p95/max each against a 250 ms p95 budget);
 // BENCH_ONLY=bare the service's own-key scenario and the bare durable
 // queues (bare.go: what durability alone costs, and with per-key order),
-// BENCH_ONLY=partitions the
-// own-key scenario on 4 and on 64 partitions, BENCH_ONLY=lateness the
-// own-key scenario with its lateness phases (the second on queue tables a
-// VACUUM emptied, as autovacuum leaves them). BENCH_ONLY=fair runs only the
+// BENCH_ONLY=partitions the own-key scenario on 4 and on 64 partitions,
+// BENCH_ONLY=lateness the own-key scenario with its lateness phases (the
+// second on queue tables a VACUUM emptied, as autovacuum leaves them). BENCH_ONLY=fair runs only the
 // fairness scenario (fair.go: a quiet target's lateness while another
 // target's backlog of a million messages drains; the full run has it too),
 // BENCH_ONLY=scale only the scaling curves (scale.go: end-to-end
