@@ -768,18 +768,27 @@ func startIngest(t *testing.T, k *kafkaEnv, pool *pgxpool.Pool, future time.Dura
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Registered first so that it runs last, after the ingester stopped.
+	t.Cleanup(func() { consumer.Close() })
+	runInBackground(t, in.Run)
+	return in
+}
+
+// runInBackground runs run until the test ends, then stops it and waits
+// for it to return (cleanups run last in, first out: one registered
+// before this runs after run returned).
+func runInBackground(t *testing.T, run func(context.Context)) {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		in.Run(ctx)
+		run(ctx)
 	}()
 	t.Cleanup(func() {
 		cancel()
 		<-done
-		consumer.Close()
 	})
-	return in
 }
 
 // startFlushListener runs the service's notification listener with flush
@@ -788,16 +797,7 @@ func startFlushListener(t *testing.T, pool *pgxpool.Pool, flush func()) {
 	t.Helper()
 	waker := runner.NewWaker(pool, 5*time.Millisecond, testLogger(t))
 	waker.On(queries.IngestFlushChannel, flush)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		waker.Run(ctx)
-	}()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-	})
+	runInBackground(t, waker.Run)
 }
 
 // TestReadYourWrites goes through the real parts: records produced to the
