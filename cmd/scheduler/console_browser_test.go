@@ -195,13 +195,30 @@ func TestConsoleInABrowser(t *testing.T) {
 	if got := op.Text(row); strings.Contains(got, "paused") || !strings.Contains(got, note) {
 		t.Errorf("after resuming, the targets page shows %q for %s, want not paused, the note kept", got, targetTopic)
 	}
+	// Give the target a weight: the page shows it, the claims read it.
+	if got := op.Text(row + ` [data-field="weight"]`); got != "1" {
+		t.Errorf("the targets page shows weight %q for %s, want the default 1", got, targetTopic)
+	}
+	op.Fill(row+` form[data-action=weight]`, map[string]string{"weight": "3"})
+	op.ClickLoad(row + ` form[data-action=weight] button[type=submit]`)
+	op.WaitVisible("#preview-count")
+	op.ClickLoad("button[name=confirm]")
+	op.WaitVisible("#result")
+	op.Open(base+"/targets", row)
+	if got := op.Text(row + ` [data-field="weight"]`); got != "3" {
+		t.Errorf("after weighting, the targets page shows weight %q for %s, want 3", got, targetTopic)
+	}
+	var weight int
+	if err := db.Pool.QueryRow(context.Background(), "SELECT weight FROM target_control WHERE target_topic = $1", targetTopic).Scan(&weight); err != nil || weight != 3 {
+		t.Errorf("target_control.weight of %s is %d (%v), want 3", targetTopic, weight, err)
+	}
 	var actors string
 	if err := db.Pool.QueryRow(context.Background(),
 		"SELECT string_agg(DISTINCT actor, ',') FROM target_control_history WHERE target_topic = $1", targetTopic).Scan(&actors); err != nil {
 		t.Fatal(err)
 	}
 	if actors != "console:olga" {
-		t.Errorf("target_control_history names %q as who paused and resumed, want console:olga", actors)
+		t.Errorf("target_control_history names %q as who paused, resumed and weighted, want console:olga", actors)
 	}
 
 	// A viewer sees every page and no action, and is refused an action

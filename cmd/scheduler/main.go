@@ -62,7 +62,8 @@ the README and the SQL runbook in sql/runbook):
   pause     stop republishing to a target topic; resume undoes it
   resume    republish to a paused target topic again
   limit     cap a target topic's rate in messages per second, or lift it (off)
-  targets   list the per-target controls: paused, rate limit, note
+  weight    give a target topic more turns in dispatch's claims (1 to 100)
+  targets   list the per-target controls: paused, rate limit, weight, note
 
 Configuration comes from environment variables; "scheduler run --help" lists
 them with their defaults. "scheduler <command> --help" describes a command.

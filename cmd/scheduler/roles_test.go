@@ -298,7 +298,8 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 	// The runbook, as the operator role with psql. Files that change rows
 	// are pointed at ids and names that match nothing, or undo each other
 	// (pause then resume, limit then unlimit: names sort that way), so the
-	// database is left as it was; the privileges are checked all the same.
+	// database is left as it was but for the target's weight of 2, which
+	// must change for the privileges to be checked; they are all the same.
 	runbookVars := map[string]map[string]string{
 		"backlog.sql":         nil,
 		"cancel_id.sql":       {"ids": "0"},
@@ -323,6 +324,7 @@ func TestLeastPrivilegeRoles(t *testing.T) {
 		"show_message.sql":    {"id": poison},
 		"targets.sql":         nil,
 		"unlimit_target.sql":  {"target": targetTopic},
+		"weight_target.sql":   {"target": targetTopic, "weight": "2"},
 	}
 	// Their names would realign the table above.
 	runbookVars["release_inflight.sql"] = map[string]string{"group": "no-such-group", "key": ""}

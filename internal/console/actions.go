@@ -102,7 +102,7 @@ func (s *server) action(w http.ResponseWriter, r *http.Request, u *session) {
 	p, bad := s.planAction(name, r.PostForm)
 	if bad != nil {
 		if bad.Field == "action" {
-			s.fail(w, r, u, http.StatusNotFound, fmt.Sprintf("There is no action %q: actions are expedite, cancel, park, replay, fix, pause, resume, limit, unlimit. Nothing was changed.", name))
+			s.fail(w, r, u, http.StatusNotFound, fmt.Sprintf("There is no action %q: actions are expedite, cancel, park, replay, fix, pause, resume, limit, unlimit, weight. Nothing was changed.", name))
 			return
 		}
 		s.badRequest(w, r, u, bad)
@@ -305,7 +305,7 @@ func (s *server) planAction(name string, form url.Values) (plan, *badInput) {
 		if dueVar != "" {
 			p.what += ", due " + dueVar
 		}
-	case "pause", "resume", "limit", "unlimit":
+	case "pause", "resume", "limit", "unlimit", "weight":
 		t, bad := target()
 		if bad != nil {
 			return p, bad
@@ -328,6 +328,15 @@ func (s *server) planAction(name string, form url.Values) (plan, *badInput) {
 			p.title, p.file, p.what = "Rate limit", "limit_target.sql", "limit "+t+" to "+p.vars["rate"]+" messages/s"
 		case "unlimit":
 			p.title, p.file, p.what = "Lift rate limit", "unlimit_target.sql", "lift the rate limit of "+t
+		case "weight":
+			raw := get("weight")
+			weight, err := strconv.Atoi(strings.TrimSpace(raw))
+			if err != nil || weight < 1 || weight > operate.MaxTargetWeight {
+				return p, &badInput{"weight", raw, fmt.Sprintf("a whole number from 1 to %d (1 is the default): the target's heads per turn of each claim",
+					operate.MaxTargetWeight)}
+			}
+			p.vars["weight"] = strconv.Itoa(weight)
+			p.title, p.file, p.what = "Weight", "weight_target.sql", "give "+t+" weight "+p.vars["weight"]
 		}
 	default:
 		return p, &badInput{Field: "action", Value: name}

@@ -221,6 +221,8 @@ func TestActions(t *testing.T) {
 			check: "SELECT rate_limit = 2.5 FROM target_control WHERE target_topic = 'orders.retry'"},
 		{name: "unlimit", action: "unlimit", form: url.Values{"target": {"bulk.retry"}}, previewed: 1,
 			check: "SELECT rate_limit IS NULL FROM target_control WHERE target_topic = 'bulk.retry'"},
+		{name: "weight", action: "weight", form: url.Values{"target": {"bulk.retry"}, "weight": {" 4 "}}, previewed: 1,
+			check: "SELECT weight = 4 AND rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'"},
 	}
 	for _, st := range steps {
 		t.Run(st.name, func(t *testing.T) {
@@ -300,6 +302,12 @@ func TestBadActions(t *testing.T) {
 		{"bad rate", func() response {
 			return alice.act("limit", url.Values{"target": {"orders.retry"}, "rate": {"fast"}, "confirm": {"1"}})
 		}, http.StatusBadRequest, "rate"},
+		{"bad weight", func() response {
+			return alice.act("weight", url.Values{"target": {"orders.retry"}, "weight": {"101"}, "confirm": {"1"}})
+		}, http.StatusBadRequest, "a whole number from 1 to 100"},
+		{"weight not whole", func() response {
+			return alice.act("weight", url.Values{"target": {"orders.retry"}, "weight": {"2.5"}, "confirm": {"1"}})
+		}, http.StatusBadRequest, "weight"},
 		{"bad scope", func() response { return alice.act("expedite", url.Values{"scope": {"all"}, "confirm": {"1"}}) }, http.StatusBadRequest, "scope"},
 		{"bad due", func() response {
 			return alice.act("fix", url.Values{"ids": {"106"}, "due": {"soon"}, "confirm": {"1"}})
@@ -312,9 +320,9 @@ func TestBadActions(t *testing.T) {
 				t.Fatalf("messages changed: %d of 101, 106 left", n)
 			}
 			var paused bool
-			_ = db.Pool.QueryRow(context.Background(), "SELECT coalesce(bool_or(rate_limit IS NOT NULL), false) FROM target_control WHERE target_topic = 'orders.retry'").Scan(&paused)
+			_ = db.Pool.QueryRow(context.Background(), "SELECT coalesce(bool_or(rate_limit IS NOT NULL OR weight <> 1), false) FROM target_control WHERE target_topic = 'orders.retry'").Scan(&paused)
 			if paused {
-				t.Fatal("orders.retry was limited")
+				t.Fatal("orders.retry was limited or weighted")
 			}
 		})
 	}

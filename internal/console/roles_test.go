@@ -123,6 +123,7 @@ func TestOperatorRole(t *testing.T) {
 		{"fix", url.Values{"ids": {"106"}, "target": {"orders.retry"}}, "SELECT state = 'pending' FROM deferred_message WHERE id = 106"},
 		{"pause", url.Values{"target": {"orders.retry"}, "note": {"role test"}}, "SELECT paused FROM target_control WHERE target_topic = 'orders.retry'"},
 		{"limit", url.Values{"target": {"orders.retry"}, "rate": {"5"}}, "SELECT rate_limit = 5 FROM target_control WHERE target_topic = 'orders.retry'"},
+		{"weight", url.Values{"target": {"orders.retry"}, "weight": {"3"}}, "SELECT weight = 3 FROM target_control WHERE target_topic = 'orders.retry'"},
 		{"cancel", url.Values{"ids": {"111"}}, "SELECT count(*) = 0 FROM deferred_message WHERE id = 111"},
 	} {
 		t.Run(a.action, func(t *testing.T) {

@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/deferq/scheduler/internal/keylock"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
@@ -108,6 +110,72 @@ func TestClaimSharesRoundBetweenTargets(t *testing.T) {
 				}
 			}
 			assertHeadsMatch(t, db.Pool)
+		})
+	}
+}
+
+// TestClaimSharesRoundByWeight: a target's weight (target_control.weight;
+// 1 without a row) is how many of its heads a turn takes, and multiplies
+// what the claim reads of it: with a share of 2, a target of weight 3
+// still reads the 6 heads its turns take. A weighted target alone takes
+// the whole round, and a target whose heads run out leaves the rest to
+// the others, as without weights.
+func TestClaimSharesRoundByWeight(t *testing.T) {
+	tests := []struct {
+		name     string
+		backlogs []backlog
+		weights  map[string]int
+		maxKeys  int
+		share    int
+		want     map[string]int
+	}{
+		{"weight 3 takes three heads per turn", []backlog{{"orders", 100, -time.Hour}, {"alerts", 100, -time.Second}},
+			map[string]int{"orders": 3}, 8, 8, map[string]int{"orders": 6, "alerts": 2}},
+		{"the share is read per unit of weight", []backlog{{"orders", 100, -time.Hour}, {"alerts", 100, -time.Second}},
+			map[string]int{"orders": 3}, 8, 2, map[string]int{"orders": 6, "alerts": 2}},
+		{"the weight set on the newer backlog", []backlog{{"orders", 100, -time.Hour}, {"alerts", 100, -time.Second}},
+			map[string]int{"alerts": 3}, 8, 8, map[string]int{"orders": 2, "alerts": 6}},
+		{"two weights and a default", []backlog{{"a", 100, -time.Hour}, {"b", 100, -time.Minute}, {"c", 100, -time.Second}},
+			map[string]int{"a": 2, "b": 2}, 10, 10, map[string]int{"a": 4, "b": 4, "c": 2}},
+		{"a weighted target alone takes the whole round", []backlog{{"orders", 100, -time.Hour}},
+			map[string]int{"orders": 3}, 10, 10, map[string]int{"orders": 10}},
+		{"a small target keeps its first turn", []backlog{{"orders", 100, -time.Hour}, {"alerts", 2, -time.Second}},
+			map[string]int{"orders": 5}, 10, 10, map[string]int{"orders": 9, "alerts": 1}},
+		{"what a weighted target lacks goes to the others", []backlog{{"orders", 100, -time.Hour}, {"alerts", 2, -time.Second}},
+			map[string]int{"alerts": 100}, 10, 10, map[string]int{"orders": 8, "alerts": 2}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			db := pgtest.NewDB(t)
+			insertBacklogs(t, db.Pool, tt.backlogs)
+			for target, w := range tt.weights {
+				mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, weight) VALUES ($1, $2)`, target, w)
+			}
+			mustExec(t, db.Pool, `ANALYZE deferred_key`)
+			rows, err := db.Pool.Query(t.Context(), statementSQL(t, "dispatch_claim.sql"),
+				tt.maxKeys, time.Minute, 1, "weighted", int64(keylock.DefaultMaxBytes), tt.share)
+			if err != nil {
+				t.Fatal(err)
+			}
+			col := slices.IndexFunc(rows.FieldDescriptions(), func(f pgconn.FieldDescription) bool { return f.Name == "target_topic" })
+			got := map[string]int{}
+			for rows.Next() {
+				vals, err := rows.Values()
+				if err != nil {
+					t.Fatal(err)
+				}
+				target, ok := vals[col].(string)
+				if !ok {
+					t.Fatalf("a claimed key came back without a message: %v", vals)
+				}
+				got[target]++
+			}
+			if err := rows.Err(); err != nil {
+				t.Fatal(err)
+			}
+			if !maps.Equal(got, tt.want) {
+				t.Errorf("claim took %v, want %v", got, tt.want)
+			}
 		})
 	}
 }

@@ -356,6 +356,13 @@ func (l *Locker) claim(ctx context.Context, what string, query func(queries.Clai
 // the share is the whole round; with none, or no target holding back
 // anything, it is the whole round too, and a claim that then finds several
 // backlogs ends up taking turns between them all the same, only reading more.
+//
+// The claim reads share times a target's weight (target_control.weight),
+// which this does not know, and need not: the targets counted as having
+// heads left took left in all, in proportion to their weights, so each
+// took at most left times its weight over the sum of their weights, which
+// is at most left / heavy times its weight, since no weight is below 1. A
+// weight only makes the claim read more than it will take.
 func nextShare(claims []Claim, empty, maxKeys, share int) int {
 	taken := make(map[string]int)
 	most := 0

@@ -188,18 +188,27 @@ type ReplayedMessage struct {
 	RedriveCount int32 `db:"redrive_count" json:"redrive_count"`
 }
 
+// MaxTargetWeight is the largest target_control.weight (its CHECK
+// constraint, migration 0019).
+const MaxTargetWeight = 100
+
 // TargetRow is a row of target_control as every target runbook file prints
 // it.
 type TargetRow struct {
-	TargetTopic string    `db:"target_topic" json:"target_topic"`
-	Paused      bool      `db:"paused" json:"paused"`
-	RateLimit   *float64  `db:"rate_limit" json:"rate_limit"` // messages per second; null: none
-	Note        *string   `db:"note" json:"note"`
-	UpdatedAt   time.Time `db:"updated_at" json:"updated_at"`
-	// ChangedBy and ChangedAt say who last changed the pause, limit or note
-	// and when (target_control_history; for a changing file, this change):
-	// scheduler.actor (operate.SetActor), else the database user. Null for a
-	// row last changed before the history was kept.
+	TargetTopic string   `db:"target_topic" json:"target_topic"`
+	Paused      bool     `db:"paused" json:"paused"`
+	RateLimit   *float64 `db:"rate_limit" json:"rate_limit"` // messages per second; null: none
+	// Weight is how many of the target's heads each turn of a claim takes
+	// while other targets have due heads too; 1 by default, at most
+	// MaxTargetWeight.
+	Weight    int       `db:"weight" json:"weight"`
+	Note      *string   `db:"note" json:"note"`
+	UpdatedAt time.Time `db:"updated_at" json:"updated_at"`
+	// ChangedBy and ChangedAt say who last changed the pause, limit,
+	// weight or note and when (target_control_history; for a changing
+	// file, this change): scheduler.actor (operate.SetActor), else the
+	// database user. Null for a row last changed before the history was
+	// kept.
 	ChangedBy *string    `db:"changed_by" json:"changed_by"`
 	ChangedAt *time.Time `db:"changed_at" json:"changed_at"`
 }

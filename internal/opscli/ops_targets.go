@@ -1,11 +1,13 @@
 package opscli
 
-// The per-target controls: pause, resume, limit and targets, over the
-// target_control rows of the runbook files pause_target.sql,
-// resume_target.sql, limit_target.sql, unlimit_target.sql and targets.sql.
+// The per-target controls: pause, resume, limit, weight and targets, over
+// the target_control rows of the runbook files pause_target.sql,
+// resume_target.sql, limit_target.sql, unlimit_target.sql,
+// weight_target.sql and targets.sql.
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -19,10 +21,11 @@ import (
 	"github.com/deferq/scheduler/internal/operate"
 )
 
-// targetChange is what pause, resume and limit print with --json.
+// targetChange is what pause, resume, limit and weight print with --json.
 type targetChange struct {
 	// Changed is false when the target already was as asked (resume of a
-	// target that is not paused, limit off of one without a limit).
+	// target that is not paused, limit off of one without a limit, a
+	// weight it has).
 	Changed bool              `json:"changed"`
 	Target  operate.TargetRow `json:"target"`
 	Note    string            `json:"note,omitempty"`
@@ -203,6 +206,67 @@ func cmdLimit(ctx context.Context, args, environ []string, stdout, stderr io.Wri
 	return o.exit(o.printTargetChange(verb, c))
 }
 
+const weightHelp = `Usage: scheduler weight TARGET WEIGHT [--json]
+
+Sets how many of the target topic TARGET's due messages (of as many keys)
+each turn of a dispatch claim takes while other targets have due messages
+too: a whole number from 1 to 100, 1 by default. Claims share their rounds
+between the targets with due messages turn by turn, so with weights 3 and 1
+two backlogs drain at 3 to 1. A target alone still gets every round, and
+one that runs out of due messages leaves the rest to the others: a weight
+holds nothing back (limit does). Per-key order is untouched. Dispatchers
+use it from their next claim. WEIGHT 1 undoes it. The change is recorded
+with who (cli: and your user name). It runs the runbook file
+weight_target.sql.
+`
+
+// cmdWeight implements `scheduler weight`.
+func cmdWeight(ctx context.Context, args, environ []string, stdout, stderr io.Writer) int {
+	o, fs := newOps("weight", args, stdout, stderr)
+	// A negative weight would read as an unknown flag; say what is wrong
+	// with it instead.
+	for _, a := range args {
+		if a == "--" {
+			break
+		}
+		if w, err := strconv.Atoi(a); err == nil && w < 0 {
+			return o.exit(usagef("weight %s: want a whole number from 1 to %d", a, operate.MaxTargetWeight))
+		}
+	}
+	pos, done, code := o.parse(fs, args, weightHelp)
+	if done {
+		return code
+	}
+	target, err := parseTarget(pos, 2, fmt.Sprintf(" and a weight (1 to %d)", operate.MaxTargetWeight))
+	if err != nil {
+		return o.exit(err)
+	}
+	weight, err := strconv.Atoi(strings.TrimSpace(pos[1]))
+	if err != nil || weight < 1 || weight > operate.MaxTargetWeight {
+		return o.exit(usagef("weight %q: want a whole number from 1 to %d (1 is the default)", pos[1], operate.MaxTargetWeight))
+	}
+	var c targetChange
+	err = o.change(ctx, environ, func(tx pgx.Tx) (err error) {
+		c, err = changeTarget(ctx, tx, "weight_target.sql", target, map[string]string{"weight": strconv.Itoa(weight)},
+			fmt.Sprintf("of weight %d already", weight))
+		if errors.Is(err, errNoControls) && weight == 1 {
+			// No row is weight 1, the default: as asked.
+			c = targetChange{Target: operate.TargetRow{TargetTopic: target, Weight: 1},
+				Note: fmt.Sprintf("target %s has no controls, so weight 1 already (the default); nothing changed", target)}
+			return nil
+		}
+		return err
+	})
+	if err != nil {
+		return o.exit(err)
+	}
+	return o.exit(o.printTargetChange("weighted", c))
+}
+
+// errNoControls is changeTarget's error for a target without a row in
+// target_control.
+var errNoControls = errors.New("no controls")
+
 // changeTarget runs a target runbook file that prints the row it changed.
 // When it changes nothing, the target either has no controls at all (an
 // error: likely a typo) or was already as asked (a note: asIs says how).
@@ -230,10 +294,10 @@ func changeTarget(ctx context.Context, conn operate.Queryer, file, target string
 			return targetChange{Target: t, Note: fmt.Sprintf("target %s is %s; nothing changed", target, asIs)}, nil
 		}
 	}
-	return targetChange{}, fmt.Errorf("target %s has no controls (it was never paused or limited); nothing changed: scheduler targets lists them", target)
+	return targetChange{}, fmt.Errorf("target %s has %w (it was never paused, limited or weighted); nothing changed: scheduler targets lists them", target, errNoControls)
 }
 
-// printTargetChange prints what pause, resume or limit did: the target's
+// printTargetChange prints what pause, resume, limit or weight did: the target's
 // row, then what happened.
 func (o *ops) printTargetChange(verb string, c targetChange) error {
 	if o.json {
@@ -249,7 +313,7 @@ func (o *ops) printTargetChange(verb string, c targetChange) error {
 }
 
 func printTargets(w io.Writer, rows []operate.TargetRow) {
-	t := newTable(w, "TARGET", "PAUSED", "RATE LIMIT", "UPDATED AT", "CHANGED BY", "NOTE")
+	t := newTable(w, "TARGET", "PAUSED", "RATE LIMIT", "WEIGHT", "UPDATED AT", "CHANGED BY", "NOTE")
 	for _, r := range rows {
 		paused, limit := "no", "-"
 		if r.Paused {
@@ -258,7 +322,7 @@ func printTargets(w io.Writer, rows []operate.TargetRow) {
 		if r.RateLimit != nil {
 			limit = formatRate(*r.RateLimit) + "/s"
 		}
-		t.row(printable(r.TargetTopic, false), paused, limit, formatTime(r.UpdatedAt), printable(orDash(r.ChangedBy), false),
+		t.row(printable(r.TargetTopic, false), paused, limit, strconv.Itoa(r.Weight), formatTime(r.UpdatedAt), printable(orDash(r.ChangedBy), false),
 			printable(orDash(r.Note), false))
 	}
 	t.flush()
@@ -267,8 +331,9 @@ func printTargets(w io.Writer, rows []operate.TargetRow) {
 const targetsHelp = `Usage: scheduler targets [--json]
 
 Lists the per-target controls (table target_control): for each target topic
-that is paused, limited or has a note, whether it is paused and why, its rate
-limit in messages per second, when it last changed and who changed it
+that is paused, limited, weighted or has a note, whether it is paused and
+why, its rate limit in messages per second, its weight in dispatch claims'
+turns (1: the default), when it last changed and who changed it
 (cli:USER, console:USER, or the database user of a psql session; the whole
 record is in table target_control_history). Targets not listed flow freely.
 It runs the runbook file targets.sql.
@@ -284,6 +349,6 @@ func cmdTargets(ctx context.Context, args, environ []string, stdout, stderr io.W
 	if len(pos) > 0 {
 		return o.exit(usagef("unexpected argument %q", pos[0]))
 	}
-	_, code, _ = showRunbook(ctx, o, environ, "targets.sql", nil, "no target is paused or limited", printTargets)
+	_, code, _ = showRunbook(ctx, o, environ, "targets.sql", nil, "no target is paused, limited or weighted", printTargets)
 	return code
 }

@@ -494,6 +494,7 @@ func TestOpsCommands(t *testing.T) {
 		{name: "pause --help", args: []string{"pause", "--help"}, stdout: []string{"Usage: scheduler pause TARGET", "-note"}},
 		{name: "resume --help", args: []string{"resume", "--help"}, stdout: []string{"Usage: scheduler resume TARGET"}},
 		{name: "limit --help", args: []string{"limit", "--help"}, stdout: []string{"Usage: scheduler limit TARGET RATE", "scheduler limit TARGET off"}},
+		{name: "weight --help", args: []string{"weight", "--help"}, stdout: []string{"Usage: scheduler weight TARGET WEIGHT", "weight_target.sql"}},
 		{name: "targets --help", args: []string{"targets", "--help"}, stdout: []string{"Usage: scheduler targets", "targets.sql"}},
 		{name: "inflight --help", args: []string{"inflight", "--help"}, stdout: []string{"Usage: scheduler inflight", "-group", "-key", "-limit", "(default 100)", "inflight.sql"}},
 		{name: "release --help", args: []string{"release", "--help"}, stdout: []string{"Usage: scheduler release --group GROUP", "-group", "-key", "-dry-run", "release_inflight.sql"}},
@@ -502,7 +503,7 @@ func TestOpsCommands(t *testing.T) {
 		{
 			name: "targets", args: []string{"targets"},
 			setup:     `INSERT INTO target_control (target_topic) VALUES ('idle.retry')`,
-			stdout:    []string{"TARGET       PAUSED  RATE LIMIT  UPDATED AT", "CHANGED BY  NOTE\n", "audit.retry  yes     -           ", "  postgres    seeded pause\n", "bulk.retry   no      25/s        "},
+			stdout:    []string{"TARGET       PAUSED  RATE LIMIT  WEIGHT  UPDATED AT", "CHANGED BY  NOTE\n", "audit.retry  yes     -           1       ", "  postgres    seeded pause\n", "bulk.retry   no      25/s        1       "},
 			notStdout: []string{"idle.retry"},
 		},
 		{
@@ -510,7 +511,7 @@ func TestOpsCommands(t *testing.T) {
 			json: func(t *testing.T, out string) {
 				ts := opsjson.Decode[[]opsjson.Target](t, out)
 				if len(ts) != 2 || ts[0].TargetTopic != "audit.retry" || !ts[0].Paused || *ts[0].Note != "seeded pause" || ts[0].RateLimit != nil ||
-					ts[1].TargetTopic != "bulk.retry" || ts[1].Paused || *ts[1].RateLimit != 25 {
+					ts[0].Weight != 1 || ts[1].TargetTopic != "bulk.retry" || ts[1].Paused || *ts[1].RateLimit != 25 || ts[1].Weight != 1 {
 					t.Errorf("targets: %+v", ts)
 				}
 			},
@@ -556,7 +557,7 @@ func TestOpsCommands(t *testing.T) {
 			},
 		},
 		{name: "resume an unknown target", args: []string{"resume", "orders.retyr"}, code: 1,
-			stderr: []string{"target orders.retyr has no controls (it was never paused or limited); nothing changed"},
+			stderr: []string{"target orders.retyr has no controls (it was never paused, limited or weighted); nothing changed"},
 			check:  `SELECT count(*) = 2 FROM target_control`},
 		{name: "resume without a target", args: []string{"resume"}, code: 2, stderr: []string{"want a target topic"}},
 		{
@@ -595,6 +596,41 @@ func TestOpsCommands(t *testing.T) {
 		{name: "limit without a rate", args: []string{"limit", "bulk.retry"}, code: 2, stderr: []string{`want a target topic and a rate (messages per second, or off), got only "bulk.retry"`}},
 		{name: "limit without anything", args: []string{"limit"}, code: 2, stderr: []string{"want a target topic and a rate"}},
 		{name: "limit an illegal topic", args: []string{"limit", "a b", "5"}, code: 2, stderr: []string{`"a b" is not a Kafka topic name`},
+			check: `SELECT count(*) = 2 FROM target_control`},
+		{
+			name: "weight", args: []string{"weight", "orders.retry", "3"}, addEnv: []string{"USER=bob"},
+			stdout: []string{"orders.retry  no      -           3       ", "cli:bob", "weighted orders.retry\n"},
+			check: `SELECT weight = 3 AND NOT paused AND rate_limit IS NULL FROM target_control WHERE target_topic = 'orders.retry'
+			        AND EXISTS (SELECT FROM target_control_history WHERE target_topic = 'orders.retry' AND actor = 'cli:bob' AND weight = 3)`,
+		},
+		{
+			name: "weight --json keeps the limit", args: []string{"weight", "--json", "bulk.retry", "100"},
+			json: func(t *testing.T, out string) {
+				c := opsjson.Decode[opsjson.TargetChange](t, out)
+				if !c.Changed || c.Target.Weight != 100 || *c.Target.RateLimit != 25 || c.Note != "" {
+					t.Errorf("weight: %+v", c)
+				}
+			},
+		},
+		{
+			name: "weight as it is", args: []string{"weight", "bulk.retry", "1", "--json"},
+			json: func(t *testing.T, out string) {
+				c := opsjson.Decode[opsjson.TargetChange](t, out)
+				if c.Changed || c.Target.Weight != 1 || c.Note != "target bulk.retry is of weight 1 already; nothing changed" {
+					t.Errorf("weight: %+v", c)
+				}
+			},
+		},
+		{name: "weight 1 of a target without controls", args: []string{"weight", "new.retry", "1"},
+			stdout: []string{"target new.retry has no controls, so weight 1 already (the default); nothing changed\n"},
+			check:  `SELECT count(*) = 2 FROM target_control`},
+		{name: "weight zero", args: []string{"weight", "bulk.retry", "0"}, code: 2, stderr: []string{`weight "0": want a whole number from 1 to 100`},
+			check: `SELECT weight = 1 FROM target_control WHERE target_topic = 'bulk.retry'`},
+		{name: "weight negative", args: []string{"weight", "bulk.retry", "-2"}, code: 2, stderr: []string{"weight -2: want a whole number from 1 to 100"}},
+		{name: "weight too large", args: []string{"weight", "bulk.retry", "101"}, code: 2, stderr: []string{`weight "101": want a whole number from 1 to 100`}},
+		{name: "weight not whole", args: []string{"weight", "bulk.retry", "2.5"}, code: 2, stderr: []string{`weight "2.5": want a whole number`}},
+		{name: "weight without a weight", args: []string{"weight", "bulk.retry"}, code: 2, stderr: []string{`want a target topic and a weight (1 to 100), got only "bulk.retry"`}},
+		{name: "weight an illegal topic", args: []string{"weight", "a b", "2"}, code: 2, stderr: []string{`"a b" is not a Kafka topic name`},
 			check: `SELECT count(*) = 2 FROM target_control`},
 
 		// configuration and a database that is down

@@ -8,7 +8,7 @@ import (
 // Commands returns the operator commands Run knows, in the order the usage
 // text gives them.
 func Commands() []string {
-	return []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "targets",
+	return []string{"status", "ls", "show", "held", "expedite", "cancel", "park", "replay", "pause", "resume", "limit", "weight", "targets",
 		"inflight", "release"}
 }
 
@@ -41,6 +41,8 @@ func Run(ctx context.Context, name string, args, environ []string, stdin io.Read
 		return cmdResume(ctx, args, environ, stdout, stderr), true
 	case "limit":
 		return cmdLimit(ctx, args, environ, stdout, stderr), true
+	case "weight":
+		return cmdWeight(ctx, args, environ, stdout, stderr), true
 	case "targets":
 		return cmdTargets(ctx, args, environ, stdout, stderr), true
 	case "inflight":

@@ -34,6 +34,8 @@ func TestRunbook(t *testing.T) {
 		want, wantNot []string
 		// check is a query returning true when the file had its effect.
 		check string
+		// fails: the file must fail, with this in what psql prints.
+		fails string
 	}
 	// oldestDueQuery is oldest_due.sql as a subquery, for checks of its columns.
 	oldestDueQuery, err := runbook.Query("oldest_due.sql")
@@ -252,35 +254,36 @@ func TestRunbook(t *testing.T) {
 			name: "history of nothing", file: "history.sql", vars: map[string]string{"id": "999"}, lines: 0,
 		},
 		{
-			name: "targets: only those with something set, and who changed them", file: "targets.sql", lines: 2,
-			setup: `INSERT INTO target_control (target_topic) VALUES ('idle.retry')`,
-			want:  []string{"audit.retry|t||seeded pause|", "|postgres|", "bulk.retry|f|25||"},
+			name: "targets: only those with something set, and who changed them", file: "targets.sql", lines: 3,
+			setup: `INSERT INTO target_control (target_topic) VALUES ('idle.retry');
+			        INSERT INTO target_control (target_topic, weight) VALUES ('heavy.retry', 3)`,
+			want: []string{"audit.retry|t||1|seeded pause|", "|postgres|", "bulk.retry|f|25|1||", "heavy.retry|f||3||"},
 		},
 		{
 			name: "limit a new target", file: "limit_target.sql", vars: map[string]string{"target": "orders.retry", "rate": "0.5"}, lines: 1,
-			want:  []string{"orders.retry|f|0.5||"},
+			want:  []string{"orders.retry|f|0.5|1||"},
 			check: `SELECT rate_limit = 0.5 AND NOT paused FROM target_control WHERE target_topic = 'orders.retry'`,
 		},
 		{
 			name: "lower a limit: saved tokens go too", file: "limit_target.sql", vars: map[string]string{"target": "bulk.retry", "rate": "5"}, lines: 1,
-			want:  []string{"bulk.retry|f|5||"},
+			want:  []string{"bulk.retry|f|5|1||"},
 			check: `SELECT rate_limit = 5 AND tokens = 5 FROM target_control WHERE target_topic = 'bulk.retry'`,
 		},
 		{
 			name: "limit a paused target keeps the pause", file: "limit_target.sql", vars: map[string]string{"target": "audit.retry", "rate": "100"}, lines: 1,
-			want: []string{"audit.retry|t|100|seeded pause|"},
+			want: []string{"audit.retry|t|100|1|seeded pause|"},
 		},
 		{
 			name: "history of a target's controls, not of its tokens", file: "limit_target.sql", vars: map[string]string{"target": "bulk.retry", "rate": "5"}, lines: 1,
 			setup: `UPDATE target_control SET tokens = 3, refilled_at = now() WHERE target_topic = 'bulk.retry';
 			        UPDATE target_control SET note = note WHERE target_topic = 'bulk.retry'`,
-			want: []string{"bulk.retry|f|5||", "|postgres|"},
+			want: []string{"bulk.retry|f|5|1||", "|postgres|"},
 			check: `SELECT array_agg(change || ':' || rate_limit ORDER BY id) = '{insert:25,update:5}'
 			        FROM target_control_history WHERE target_topic = 'bulk.retry'`,
 		},
 		{
 			name: "unlimit", file: "unlimit_target.sql", vars: map[string]string{"target": "bulk.retry"}, lines: 1,
-			want:  []string{"bulk.retry|f||"},
+			want:  []string{"bulk.retry|f||1||"},
 			check: `SELECT rate_limit IS NULL FROM target_control WHERE target_topic = 'bulk.retry'`,
 		},
 		{
@@ -288,13 +291,38 @@ func TestRunbook(t *testing.T) {
 			check: `SELECT paused FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
+			name: "weight a new target", file: "weight_target.sql", vars: map[string]string{"target": "orders.retry", "weight": "3"}, lines: 1,
+			want:  []string{"orders.retry|f||3||"},
+			check: `SELECT weight = 3 AND NOT paused AND rate_limit IS NULL FROM target_control WHERE target_topic = 'orders.retry'`,
+		},
+		{
+			name: "weight a paused, limited target keeps the rest, recorded", file: "weight_target.sql", vars: map[string]string{"target": "bulk.retry", "weight": "100"}, lines: 1,
+			setup: `UPDATE target_control SET paused = true, note = 'x' WHERE target_topic = 'bulk.retry'`,
+			want:  []string{"bulk.retry|t|25|100|x|", "|postgres|"},
+			check: `SELECT array_agg(change || ':' || weight ORDER BY id) = '{insert:1,update:1,update:100}'
+			        FROM target_control_history WHERE target_topic = 'bulk.retry'`,
+		},
+		{
+			name: "weight 1 is the default: no row added", file: "weight_target.sql", vars: map[string]string{"target": "orders.retry", "weight": "1"}, lines: 0,
+			check: `SELECT NOT EXISTS (SELECT FROM target_control WHERE target_topic = 'orders.retry')`,
+		},
+		{
+			name: "weight 1 again", file: "weight_target.sql", vars: map[string]string{"target": "bulk.retry", "weight": "1"}, lines: 0,
+			check: `SELECT weight = 1 AND rate_limit = 25 FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{
+			name: "weight out of range", file: "weight_target.sql", vars: map[string]string{"target": "bulk.retry", "weight": "101"},
+			fails: "target_control_weight_range",
+			check: `SELECT weight = 1 FROM target_control WHERE target_topic = 'bulk.retry'`,
+		},
+		{
 			name: "pause a target", file: "pause_target.sql", vars: map[string]string{"target": "orders.retry", "note": "INC-42"}, lines: 1,
-			want:  []string{"orders.retry|t||INC-42|"},
+			want:  []string{"orders.retry|t||1|INC-42|"},
 			check: `SELECT paused AND note = 'INC-42' FROM target_control WHERE target_topic = 'orders.retry'`,
 		},
 		{
 			name: "resume a paused target", file: "resume_target.sql", vars: map[string]string{"target": "audit.retry"}, lines: 1,
-			want:  []string{"audit.retry|f||seeded pause|"},
+			want:  []string{"audit.retry|f||1|seeded pause|"},
 			check: `SELECT NOT paused FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
@@ -303,12 +331,12 @@ func TestRunbook(t *testing.T) {
 		},
 		{
 			name: "pause again without a note keeps the note", file: "pause_target.sql", vars: map[string]string{"target": "audit.retry", "note": ""}, lines: 1,
-			want:  []string{"audit.retry|t||seeded pause|"},
+			want:  []string{"audit.retry|t||1|seeded pause|"},
 			check: `SELECT paused AND note = 'seeded pause' FROM target_control WHERE target_topic = 'audit.retry'`,
 		},
 		{
 			name: "pause a new target without a note", file: "pause_target.sql", vars: map[string]string{"target": "new.retry", "note": ""}, lines: 1,
-			want:  []string{"new.retry|t|||"},
+			want:  []string{"new.retry|t||1||"},
 			check: `SELECT paused AND note IS NULL FROM target_control WHERE target_topic = 'new.retry'`,
 		},
 		{
@@ -451,7 +479,12 @@ func TestRunbook(t *testing.T) {
 				}
 			}
 			out, err := fixture.Psql(t, db.URL, tt.file, tt.vars)
-			if err != nil {
+			switch {
+			case tt.fails != "" && (err == nil || !strings.Contains(out, tt.fails)):
+				t.Fatalf("psql -f %s: %v, want it to fail with %q:\n%s", tt.file, err, tt.fails, out)
+			case tt.fails != "":
+				out = "" // what psql printed is the error
+			case err != nil:
 				t.Fatalf("psql -f %s: %v\n%s", tt.file, err, out)
 			}
 			if got := strings.Count(out, "\n"); got != tt.lines {

@@ -24,7 +24,7 @@ func (p ClaimParams) args() []any {
 // DispatchClaimParams are dispatch_claim.sql's parameters.
 type DispatchClaimParams struct {
 	ClaimParams     // $1..$5
-	Share       int // $6: due heads read per target at most, at most MaxKeys
+	Share       int // $6: due heads read per target and unit of its weight at most, at most MaxKeys
 }
 
 func (p DispatchClaimParams) args() []any {

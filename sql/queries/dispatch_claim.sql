@@ -17,15 +17,17 @@
 -- targets that have due heads, so that one target's backlog cannot delay
 -- another target's due messages (docs/design.md, "Fairness between
 -- targets"). Each target's due heads are read in due-time order from
--- deferred_key_target_due, at most $6 of them (the caller's estimate of a
--- target's share, at most $1: see internal/keylock's share), locked as
--- they are read (SKIP LOCKED, so concurrent claims take the next ones).
--- Then they are taken turn by turn: every target's earliest due head,
--- then every target's second, and so on, earlier due time first within a
--- turn, until $1. A target with fewer due heads than its share leaves the
--- rest to the others, so one target alone gets the whole round. Heads read
--- and locked but not taken stay as they were (the lock ends with the
--- statement); keylock's share keeps them few.
+-- deferred_key_target_due, at most $6 per unit of its weight
+-- (target_control.weight, 1 without a row; $6 is the caller's estimate of
+-- a target's share, see internal/keylock's share; never more than $1),
+-- locked as they are read (SKIP LOCKED, so concurrent claims take the next
+-- ones). Then they are taken turn by turn: every target's earliest due
+-- heads, as many as its weight, then every target's next ones, and so on,
+-- earlier due time first within a turn, until $1. A target with fewer due
+-- heads than its share leaves the rest to the others, so one target alone
+-- gets the whole round. Heads read and locked but not taken stay as they
+-- were (the lock ends with the statement); keylock's share keeps them few.
+-- The weight is read from its row by the primary key, once per target.
 --
 -- The targets come from the view deferred_key_target, a loose scan of
 -- deferred_key_target_due (one index probe per target that has heads there), so the claim costs a few probes
@@ -77,8 +79,9 @@
 -- its run, rides on the window that already checks all_due.
 WITH candidate AS MATERIALIZED (
     SELECT h.ctid, h.next_run_at,
-           row_number() OVER (PARTITION BY t.target ORDER BY h.next_run_at) AS turn
+           (row_number() OVER (PARTITION BY t.target ORDER BY h.next_run_at) - 1) / coalesce(w.weight, 1) AS turn
     FROM deferred_key_target t
+    LEFT JOIN target_control w ON w.target_topic = t.target
     CROSS JOIN LATERAL (
         SELECT k.ctid, k.next_run_at
         FROM deferred_key k
@@ -87,7 +90,7 @@ WITH candidate AS MATERIALIZED (
           AND k.next_run_at <= now()
           AND (k.leased_until IS NULL OR k.leased_until <= now())
         ORDER BY k.next_run_at
-        LIMIT $6
+        LIMIT least($1::int, $6::int * coalesce(w.weight, 1))
         FOR UPDATE SKIP LOCKED
     ) h
     WHERE coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c

@@ -17,6 +17,6 @@ ON CONFLICT (target_topic) DO UPDATE
 SET paused = true, note = coalesce(excluded.note, c.note), updated_at = now()
 -- changed_by and changed_at: who made this change (the actor the history
 -- records: scheduler.actor, else the psql user), and when.
-RETURNING target_topic, paused, rate_limit, note, updated_at,
+RETURNING target_topic, paused, rate_limit, weight, note, updated_at,
           coalesce(nullif(current_setting('scheduler.actor', true), ''), session_user::text) AS changed_by,
           now() AS changed_at;

@@ -372,14 +372,18 @@ CREATE TABLE target_control (
     rate_limit   double precision,
     tokens       double precision NOT NULL DEFAULT 0,
     refilled_at  timestamptz,
+    -- The target's turns in a claim's round while other targets have due
+    -- heads too: weight heads per turn (docs/design.md section 4.10).
+    weight       integer NOT NULL DEFAULT 1,
 
     CONSTRAINT target_control_rate_limit_positive
-        CHECK (rate_limit IS NULL OR (rate_limit > 0 AND rate_limit < 'infinity'))
+        CHECK (rate_limit IS NULL OR (rate_limit > 0 AND rate_limit < 'infinity')),
+    CONSTRAINT target_control_weight_range CHECK (weight BETWEEN 1 AND 100)
 );
 
 -- ---------------------------------------------------------------------------
--- target_control_history: every change of a target's pause, rate limit or
--- note, with who and when, written by row triggers on target_control
+-- target_control_history: every change of a target's pause, rate limit,
+-- weight or note, with who and when, written by row triggers on target_control
 -- (triggers/target_control.sql) that fire only when one of those changes:
 -- the dispatchers' token updates write nothing here. actor is the
 -- transaction setting scheduler.actor (operate.SetActor), else the
@@ -395,11 +399,12 @@ CREATE TABLE target_control_history (
     paused       boolean,
     rate_limit   double precision,
     note         text,
+    weight       integer,
 
     CONSTRAINT target_control_history_change_valid CHECK (change IN ('insert', 'update', 'delete'))
 );
 
 COMMENT ON TABLE target_control_history IS
-    'Every change of a target''s pause, rate limit or note in target_control, with who and when. Written by triggers on target_control.';
+    'Every change of a target''s pause, rate limit, weight or note in target_control, with who and when. Written by triggers on target_control.';
 
 CREATE INDEX target_control_history_target ON target_control_history (target_topic, id);

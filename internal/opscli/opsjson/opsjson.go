@@ -112,10 +112,11 @@ type (
 		TargetTopic string   `json:"target_topic"`
 		Paused      bool     `json:"paused"`
 		RateLimit   *float64 `json:"rate_limit"`
+		Weight      int      `json:"weight"`
 		Note        *string  `json:"note"`
 		UpdatedAt   string   `json:"updated_at"`
 	}
-	// TargetChange is what pause, resume and limit print.
+	// TargetChange is what pause, resume, limit and weight print.
 	TargetChange struct {
 		Changed bool   `json:"changed"`
 		Target  Target `json:"target"`

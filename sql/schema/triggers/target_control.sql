@@ -1,5 +1,7 @@
 -- The triggers of target_control, the per-target controls (pause, rate
--- limit) an operator sets with plain SQL.
+-- limit, weight) an operator sets with plain SQL. A weight changes only
+-- how claims share their rounds, which every claim reads afresh: it
+-- notifies no one and flags no head.
 --
 -- CREATE OR REPLACE TRIGGER (PostgreSQL 14+), so that `scheduler migrate`
 -- can apply this file again; see deferred_message.sql.
@@ -29,8 +31,8 @@ CREATE OR REPLACE TRIGGER target_control_truncate AFTER TRUNCATE ON target_contr
 CREATE OR REPLACE TRIGGER target_control_recorded AFTER INSERT OR DELETE ON target_control
     FOR EACH ROW EXECUTE FUNCTION target_control_record();
 
-CREATE OR REPLACE TRIGGER target_control_changed_by AFTER UPDATE OF paused, rate_limit, note ON target_control
+CREATE OR REPLACE TRIGGER target_control_changed_by AFTER UPDATE OF paused, rate_limit, note, weight ON target_control
     FOR EACH ROW
     WHEN (OLD.paused IS DISTINCT FROM NEW.paused OR OLD.rate_limit IS DISTINCT FROM NEW.rate_limit
-          OR OLD.note IS DISTINCT FROM NEW.note)
+          OR OLD.note IS DISTINCT FROM NEW.note OR OLD.weight IS DISTINCT FROM NEW.weight)
     EXECUTE FUNCTION target_control_record();
