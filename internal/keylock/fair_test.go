@@ -180,6 +180,33 @@ func TestClaimSharesRoundByWeight(t *testing.T) {
 	}
 }
 
+// TestLockerRoundsByWeight: a dispatch loop's rounds, as Claim runs them,
+// keep to the weights round after round (the share each reads comes from
+// the round before: nextShare), and each claim carries its target's weight.
+func TestLockerRoundsByWeight(t *testing.T) {
+	db := pgtest.NewDB(t)
+	insertBacklogs(t, db.Pool, []backlog{{"orders", 200, -time.Hour}, {"alerts", 200, -time.Second}})
+	mustExec(t, db.Pool, `INSERT INTO target_control (target_topic, weight) VALUES ('orders', 3)`)
+	l := newLocker(t, db.Pool, "weighted", time.Minute, 10)
+	for round := 1; round <= 4; round++ {
+		claims, err := l.Claim(t.Context(), 8)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, want := takenByTarget(claims), map[string]int{"orders": 6, "alerts": 2}; !maps.Equal(got, want) {
+			t.Errorf("round %d took %v, want %v", round, got, want)
+		}
+		for _, c := range claims {
+			if want := map[string]int{"orders": 3, "alerts": 1}[c.Messages[0].Target]; c.Weight != want {
+				t.Errorf("round %d: a claim of %s has weight %d, want %d", round, c.Messages[0].Target, c.Weight, want)
+			}
+		}
+		if err := l.Finalize(t.Context(), claims, keylock.Outcome{Published: messageIDs(claims)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // TestClaimDoesNotWalkAnotherTargetsBacklog: the claim finds a target's due
 // heads without reading through another target's older backlog or its own
 // heads not yet due, whatever share it is given and whether or not the
@@ -309,11 +336,11 @@ func messageIDs(claims []keylock.Claim) []int64 {
 // TestNextShare: the share of the next claim is what the targets that still
 // had heads can use.
 func TestNextShare(t *testing.T) {
-	claimsOf := func(byTarget map[string]int) []keylock.Claim {
+	claimsOf := func(byTarget, weights map[string]int) []keylock.Claim {
 		var cs []keylock.Claim
 		for _, target := range slices.Sorted(maps.Keys(byTarget)) {
 			for range byTarget[target] {
-				cs = append(cs, keylock.Claim{Messages: []keylock.Message{{Target: target}}})
+				cs = append(cs, keylock.Claim{Messages: []keylock.Message{{Target: target}}, Weight: weights[target]})
 			}
 		}
 		return cs
@@ -321,23 +348,30 @@ func TestNextShare(t *testing.T) {
 	tests := []struct {
 		name    string
 		taken   map[string]int
+		weights map[string]int // none: 1
 		empty   int
 		maxKeys int
 		share   int
 		want    int
 	}{
-		{"nothing due: the whole round", nil, 0, 500, 500, 500},
-		{"one target, full round", map[string]int{"a": 500}, 0, 500, 500, 500},
-		{"one target, few heads: no one held back", map[string]int{"a": 20}, 0, 500, 500, 500},
-		{"a backlog beside a quiet target", map[string]int{"a": 499, "b": 1}, 0, 500, 500, 499},
-		{"two backlogs and a quiet target", map[string]int{"a": 250, "b": 249, "c": 1}, 0, 500, 500, 250},
-		{"a backlog at its share in a round that was not full", map[string]int{"a": 250, "c": 3}, 0, 500, 250, 497},
-		{"keys that came back empty count against the round", map[string]int{"a": 400}, 100, 500, 500, 400},
-		{"never below one", map[string]int{"a": 1, "b": 1, "c": 1}, 0, 2, 1, 1},
+		{"nothing due: the whole round", nil, nil, 0, 500, 500, 500},
+		{"one target, full round", map[string]int{"a": 500}, nil, 0, 500, 500, 500},
+		{"one target, few heads: no one held back", map[string]int{"a": 20}, nil, 0, 500, 500, 500},
+		{"a backlog beside a quiet target", map[string]int{"a": 499, "b": 1}, nil, 0, 500, 500, 499},
+		{"two backlogs and a quiet target", map[string]int{"a": 250, "b": 249, "c": 1}, nil, 0, 500, 500, 250},
+		{"a backlog at its share in a round that was not full", map[string]int{"a": 250, "c": 3}, nil, 0, 500, 250, 497},
+		{"keys that came back empty count against the round", map[string]int{"a": 400}, nil, 100, 500, 500, 400},
+		{"never below one", map[string]int{"a": 1, "b": 1, "c": 1}, nil, 0, 2, 1, 1},
+		// A turn takes a target's weight in heads: the share is per unit of
+		// weight, so the claim reads 375 and 125, what the turns take.
+		{"backlogs of weights 3 and 1", map[string]int{"a": 375, "b": 125}, map[string]int{"a": 3}, 0, 500, 500, 125},
+		{"a weighted backlog beside a quiet target", map[string]int{"a": 497, "c": 3}, map[string]int{"a": 3}, 0, 500, 500, 166},
+		{"a weighted backlog at its share in a round that was not full", map[string]int{"a": 200, "c": 3}, map[string]int{"a": 2}, 0, 500, 100, 249},
+		{"a weighted quiet target", map[string]int{"a": 498, "c": 2}, map[string]int{"c": 5}, 0, 500, 500, 498},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			if got := keylock.NextShare(claimsOf(tt.taken), tt.empty, tt.maxKeys, tt.share); got != tt.want {
+			if got := keylock.NextShare(claimsOf(tt.taken, tt.weights), tt.empty, tt.maxKeys, tt.share); got != tt.want {
 				t.Errorf("NextShare(%v, %d, %d, %d) = %d, want %d", tt.taken, tt.empty, tt.maxKeys, tt.share, got, tt.want)
 			}
 		})

@@ -73,6 +73,9 @@ type Claim struct {
 	Ordered     bool
 	HeadID      int64 // the head when claimed; identifies an unordered head
 	Messages    []Message
+	// Weight is the target's target_control.weight when claimed (1
+	// without a row): how many of its heads a turn of a main claim takes.
+	Weight int
 }
 
 // Placement is where the broker put a published record.
@@ -315,6 +318,7 @@ func (l *Locker) claim(ctx context.Context, what string, query func(queries.Clai
 			continue
 		}
 		if len(claims) == 0 || !sameClaim(claims[len(claims)-1], c) {
+			c.Weight = max(1, int(r.TargetWeight))
 			claims = append(claims, c)
 		}
 		m := Message{ID: *r.ID, Seq: *r.Seq, Target: *r.Target, NextRunAt: *r.NextRunAt, Attempt: *r.Attempt,
@@ -341,8 +345,9 @@ func (l *Locker) claim(ctx context.Context, what string, query func(queries.Clai
 }
 
 // nextShare returns how many due heads the next main claim should read per
-// target, from what this one took: claims (and empty, the keys that came
-// back without a message) out of maxKeys, reading at most share per target.
+// target and unit of its weight, from what this one took: claims (and
+// empty, the keys that came back without a message) out of maxKeys,
+// reading at most share times its weight of each target.
 //
 // The claim statement shares a round between targets turn by turn whatever
 // the share; the share only bounds what it reads and locks per target
@@ -350,41 +355,44 @@ func (l *Locker) claim(ctx context.Context, what string, query func(queries.Clai
 // the round leaves it; too large, and the claim locks heads of several
 // backlogged targets that it then leaves. So it is set to what the
 // targets that still had heads left can use: the round minus what the
-// others took, split between them. A target had heads left when it took
-// the whole share, or, in a full round, when it took as many as the most
-// any target took, less one (the turn the round ended in). With one target
-// the share is the whole round; with none, or no target holding back
-// anything, it is the whole round too, and a claim that then finds several
-// backlogs ends up taking turns between them all the same, only reading more.
-//
-// The claim reads share times a target's weight (target_control.weight),
-// which this does not know, and need not: the targets counted as having
-// heads left took left in all, in proportion to their weights, so each
-// took at most left times its weight over the sum of their weights, which
-// is at most left / heavy times its weight, since no weight is below 1. A
-// weight only makes the claim read more than it will take.
+// others took, split between them by weight (a turn takes a target's
+// weight in heads: Claim.Weight). A target had heads left when it took
+// the whole of what it could read, or, in a full round, when it took as
+// many turns as the most any target took, less one (the turn the round
+// ended in). With one target the share is the whole round; with none, or
+// no target holding back anything, it is the whole round too, and a claim
+// that then finds several backlogs ends up taking turns between them all
+// the same, only reading more.
 func nextShare(claims []Claim, empty, maxKeys, share int) int {
-	taken := make(map[string]int)
-	most := 0
+	type took struct{ n, weight int }
+	taken := make(map[string]*took)
 	for _, c := range claims {
 		t := c.Messages[0].Target
-		taken[t]++
-		most = max(most, taken[t])
+		k := taken[t]
+		if k == nil {
+			k = &took{weight: max(1, c.Weight)}
+			taken[t] = k
+		}
+		k.n++
 	}
-	total := len(claims) + empty
-	full := total >= maxKeys
-	left, heavy := maxKeys-empty, 0
-	for _, n := range taken {
-		if n >= share || (full && n >= most-1) {
-			heavy++
+	turns := func(k *took) int { return (k.n + k.weight - 1) / k.weight }
+	most := 0
+	for _, k := range taken {
+		most = max(most, turns(k))
+	}
+	full := len(claims)+empty >= maxKeys
+	left, weights := maxKeys-empty, 0
+	for _, k := range taken {
+		if k.n >= min(maxKeys, share*k.weight) || (full && turns(k) >= most-1) {
+			weights += k.weight
 		} else {
-			left -= n
+			left -= k.n
 		}
 	}
-	if heavy == 0 {
+	if weights == 0 {
 		return maxKeys
 	}
-	return max(1, min(maxKeys, (left+heavy-1)/heavy))
+	return max(1, min(maxKeys, (left+weights-1)/weights))
 }
 
 func sameClaim(a, b Claim) bool {

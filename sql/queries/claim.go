@@ -91,11 +91,12 @@ type DispatchClaimRow struct {
 	HeaderKeys   []string   `db:"header_keys"`
 	HeaderValues [][]byte   `db:"header_values"`
 	Group        *string    `db:"group_id"`
+	TargetWeight int32      `db:"target_weight"` // the target's target_control.weight; 1 without one
 }
 
 func (r *DispatchClaimRow) dest() []any {
 	return []any{&r.BusinessKey, &r.HeadID, &r.ClaimedAt, &r.ID, &r.Seq, &r.Target, &r.NextRunAt, &r.Attempt, &r.RedriveCount,
-		&r.Key, &r.Value, &r.HeaderKeys, &r.HeaderValues, &r.Group}
+		&r.Key, &r.Value, &r.HeaderKeys, &r.HeaderValues, &r.Group, &r.TargetWeight}
 }
 
 // DispatchClaim leases due heads and reads their runs (dispatch_claim.sql).

@@ -93,6 +93,10 @@ WITH due AS MATERIALIZED (
 -- Past the budget, a key's first row stays, emptied, so that the key comes
 -- back (nth is NULL on the row of a key with no message at all).
 --
+-- target_weight is the weight of each message's target (target_control;
+-- 1 without a row), from which internal/keylock's nextShare sizes what the
+-- next main claim reads of each target.
+--
 -- claimed_at is this statement's now(), the database's clock at the claim:
 -- the finalize records each delivery's 'published' event at it, not at its
 -- own now(). A consumer can read the record, re-defer it and ingest store
@@ -111,7 +115,9 @@ SELECT r.business_key, r.head_id, now() AS claimed_at,
        CASE WHEN r.bytes_before < $5::bigint THEN r.value END AS value,
        CASE WHEN r.bytes_before < $5::bigint THEN r.header_keys END AS header_keys,
        CASE WHEN r.bytes_before < $5::bigint THEN r.header_values END AS header_values,
-       CASE WHEN r.bytes_before < $5::bigint THEN r.group_id END AS group_id
+       CASE WHEN r.bytes_before < $5::bigint THEN r.group_id END AS group_id,
+       coalesce(w.weight, 1) AS target_weight
 FROM run r
+LEFT JOIN target_control w ON w.target_topic = r.target_topic
 WHERE r.bytes_before < $5::bigint OR coalesce(r.nth, 1) = 1
 ORDER BY r.business_key, r.head_id, r.seq, r.id
