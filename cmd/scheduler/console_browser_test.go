@@ -208,6 +208,10 @@ func TestConsoleInABrowser(t *testing.T) {
 	if got := op.Text(row + ` [data-field="weight"]`); got != "3" {
 		t.Errorf("after weighting, the targets page shows weight %q for %s, want 3", got, targetTopic)
 	}
+	op.Open(base+"/", row)
+	if got := op.Text(row + ` [data-field="control"]`); !strings.Contains(got, "weight 3") {
+		t.Errorf("the overview's control for %s reads %q, want weight 3", targetTopic, got)
+	}
 	var weight int
 	if err := db.Pool.QueryRow(context.Background(), "SELECT weight FROM target_control WHERE target_topic = $1", targetTopic).Scan(&weight); err != nil || weight != 3 {
 		t.Errorf("target_control.weight of %s is %d (%v), want 3", targetTopic, weight, err)

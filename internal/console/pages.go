@@ -42,6 +42,8 @@ type overviewRow struct {
 	// Estimated: Pending and Due are scaled up from a sample of the table
 	// (console_overview.sql says when).
 	Estimated bool `db:"estimated" json:"estimated"`
+	// Weight is the target's heads per turn of a claim (1: the default).
+	Weight int `db:"weight" json:"weight"`
 }
 
 // Late reports whether the target's oldest due head waited more than a

@@ -386,8 +386,9 @@ func TestRunbook(t *testing.T) {
 		// The console's files (internal/console).
 		{
 			name: "console overview", file: "console_overview.sql", vars: map[string]string{"window": "5 minutes"}, lines: 5,
-			want: []string{"|0|0|0||0|0|2|f|||0|f\n", "orders.retry|5|2|2|", "payments.retry|1|0|0||0|2|0|f|||0|f\n",
-				"audit.retry|0|0|0||0|0|0|t|seeded pause||0|f\n", "bulk.retry|0|0|0||0|0|0|f||25|0|f\n"},
+			setup: `UPDATE target_control SET weight = 4 WHERE target_topic = 'bulk.retry'`,
+			want: []string{"|0|0|0||0|0|2|f|||0|f|1\n", "orders.retry|5|2|2|", "payments.retry|1|0|0||0|2|0|f|||0|f|1\n",
+				"audit.retry|0|0|0||0|0|0|t|seeded pause||0|f|1\n", "bulk.retry|0|0|0||0|0|0|f||25|0|f|4\n"},
 		},
 		{
 			name: "console messages, parked, oldest first", file: "console_messages.sql", lines: 2,

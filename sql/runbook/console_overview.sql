@@ -6,7 +6,8 @@
 -- its pending messages and how many of them are due, its due key heads and
 -- the oldest of their due times (lateness: a head due long ago that has not
 -- gone out; heads of a paused target wait on purpose), its parked and
--- rejected messages, whether it is paused (and why) or rate-limited, and how
+-- rejected messages, whether it is paused (and why) or rate-limited, its
+-- weight in the claims' turns (weight_target.sql; 1: the default), and how
 -- many messages were delivered to it (deferred_attempt 'published' events)
 -- within :'window'. target_topic is empty for records rejected before they
 -- named one. Counting every pending row takes seconds on many millions of
@@ -85,7 +86,8 @@ SELECT nullif(t.target_topic, '') AS target_topic,
        c.note,
        c.rate_limit,
        coalesce(pub.published, 0) AS published,
-       (SELECT percent < 100 FROM sample) AS estimated
+       (SELECT percent < 100 FROM sample) AS estimated,
+       coalesce(c.weight, 1) AS weight
 FROM topics t
 LEFT JOIN pending p ON coalesce(p.target_topic, '') = t.target_topic
 LEFT JOIN heads h ON coalesce(h.target_topic, '') = t.target_topic
