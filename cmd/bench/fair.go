@@ -60,6 +60,8 @@ type fairResult struct {
 	// aloneToStore and aloneToPublish split the records due alone, before
 	// the drain, the same way.
 	aloneToStore, aloneToPublish latencies
+	// weight is the weighted drain that runs after it (weight.go).
+	weight weightResult
 }
 
 // vacuumSeen is what sampling pg_stat_activity saw of autovacuum workers.
@@ -485,6 +487,7 @@ func (f fairResult) summarize(s *summary) {
 	s.set("fair_delivered", float64(delivered))
 	s.set("fair_expected", float64(expected))
 	s.set("fair_out_of_order", float64(outOfOrder))
+	f.weight.summarize(s)
 }
 
 // fairTargets writes the bar: the quiet target on time while the
@@ -526,6 +529,7 @@ func (f fairResult) write(w io.Writer) {
 	fmt.Fprintf(w, "service %.1fs, Postgres %.1fs, this process %.1fs; one core sorted %.1f M integers/s before the service started.\n",
 		f.drain.cpu.service.Seconds(), f.drain.cpu.postgres.Seconds(), f.drain.cpu.bench.Seconds(), f.speed)
 	f.writeVacuum(w)
+	f.weight.write(w)
 }
 
 // writeVacuum says what autovacuum did from the UPDATE on, and the quiet
@@ -552,9 +556,16 @@ func (b *bench) runFairness(ctx context.Context, res *results) error {
 	if err != nil {
 		return fmt.Errorf("scheduler, fairness: %w", err)
 	}
-	res.fair = f
 	b.say("  backlog drained at %.0f msgs/s; quiet target p50 %.1fms, p99 %.1fms, max %.1fms", f.drain.perSecond(),
 		ms(f.during.p50), ms(f.during.p99), ms(f.during.max))
+	b.say("weighted drain: %d messages of %s (weight %d) and of %s made due at once", max(1, b.cfg.FairBacklog/2),
+		topicWeightHeavy, weightHeavy, topicWeightLight)
+	if f.weight, err = b.runWeighted(ctx); err != nil {
+		return fmt.Errorf("scheduler, weighted drain: %w", err)
+	}
+	b.say("  %s at %.0f msgs/s, %s at %.0f meanwhile (%.2f times)", topicWeightHeavy, f.weight.heavy.perSecond(),
+		topicWeightLight, f.weight.lightRate(), f.weight.ratio())
+	res.fair = f
 	return nil
 }
 
@@ -570,7 +581,9 @@ func (r *results) writeOnlyFair(w io.Writer, s *summary) {
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
 	fairTargets(targetRow(tw), s.vals)
 	tw.Flush()
-	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order\n",
+	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order;\n",
 		group(s.vals["fair_delivered"]), group(s.vals["fair_expected"]), group(s.vals["fair_out_of_order"]))
+	fmt.Fprintf(w, "the weighted drain: %s of %s delivered, %s out of per-key order\n",
+		group(s.vals["weight_delivered"]), group(s.vals["weight_expected"]), group(s.vals["weight_out_of_order"]))
 	fmt.Fprintln(w, s.resultLine())
 }

@@ -41,7 +41,8 @@
 // BENCH_ONLY=lateness the own-key scenario with its lateness phases (the
 // second on queue tables a VACUUM emptied, as autovacuum leaves them). BENCH_ONLY=fair runs only the
 // fairness scenario (fair.go: a quiet target's lateness while another
-// target's backlog of a million messages drains; the full run has it too),
+// target's backlog of a million messages drains, then weight.go's two
+// backlogs of weights 3 and 1 drained at once; the full run has both too),
 // BENCH_ONLY=scale only the scaling curves (scale.go: end-to-end
 // throughput against dispatch loops, replicas and far-future rows up to
 // ten million; in no other run).

@@ -376,6 +376,7 @@ var requiredKeys = []string{
 	"ordered_msgs_per_s", "ordered_vs_bare", "e2e_vs_ordered", "ordered_pg_cpu_us_per_msg",
 	"e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "e2e_p64_vs_p4", "ingest_p64_vs_p4",
 	"fair_quiet_p99_ms", "fair_quiet_p50_ms", "fair_backlog_msgs_per_s",
+	"weight_ratio", "weight_heavy_msgs_per_s", "weight_light_msgs_per_s", "weight_drain_msgs_per_s", "weight_applied",
 }
 
 func (r *results) summary() *summary {
