@@ -203,12 +203,7 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 	if err != nil {
 		return res, err
 	}
-	stopped := false
-	defer func() {
-		if !stopped {
-			svc.Kill()
-		}
-	}()
+	defer svc.Kill() // after Stop, it does nothing
 	pid := svc.Pid()
 	// The warm-up's records go through ingest and dispatch first, so that
 	// the first quiet record does not pay for the service's first round.
@@ -301,7 +296,6 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	vacuum := endWatch()
-	stopped = true
 	if err := svc.Stop(time.Minute); err != nil {
 		return res, err
 	}

@@ -162,12 +162,7 @@ func (b *bench) runGate(ctx context.Context) (res gateResult, err error) {
 	if err != nil {
 		return res, err
 	}
-	stopped := false
-	defer func() {
-		if !stopped {
-			svc.Kill()
-		}
-	}()
+	defer svc.Kill() // after Stop, it does nothing
 	withLogs := func(err error) error { return fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs()) }
 	g := gateEnv{b: b, addr: addr, url: "http://" + svc.HTTPAddr, pid: svc.Pid()}
 
@@ -227,7 +222,6 @@ func (b *bench) runGate(ctx context.Context) (res gateResult, err error) {
 		return res, withLogs(err)
 	}
 
-	stopped = true
 	if err := svc.Stop(time.Minute); err != nil {
 		return res, err
 	}

@@ -180,12 +180,9 @@ func (b *bench) runScalePoint(ctx context.Context, sp scaleSpec) (p scalePoint, 
 		env = append(env, "DISPATCH_LOOPS="+strconv.Itoa(defaultWorkers*sp.replicas))
 	}
 	var svcs []*service
-	stopped := false
 	defer func() {
-		if !stopped {
-			for _, s := range svcs {
-				s.Kill()
-			}
+		for _, s := range svcs {
+			s.Kill() // after Stop, it does nothing
 		}
 	}()
 	for range sp.replicas {
@@ -258,7 +255,6 @@ func (b *bench) runScalePoint(ctx context.Context, sp scaleSpec) (p scalePoint, 
 		p.published = append(p.published, publishedTo(s, topicE2E))
 	}
 
-	stopped = true
 	var errs []error
 	for _, s := range svcs {
 		errs = append(errs, s.Stop(time.Minute))

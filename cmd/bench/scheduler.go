@@ -228,12 +228,7 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 	}()
 	profiles = append(profiles, profiled("ingest"))
 	pid := svc.Pid()
-	stopped := false
-	defer func() {
-		if !stopped {
-			svc.Kill()
-		}
-	}()
+	defer svc.Kill() // after Stop, it does nothing
 
 	// 1. Ingest, from the last sample below 10% of the records past the
 	// warm-up (what comes before warms ingest up) to all stored.
@@ -359,7 +354,6 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 			b.say("%v", perr)
 		}
 	}
-	stopped = true
 	if err := svc.Stop(time.Minute); err != nil {
 		return sc, err
 	}

@@ -109,12 +109,7 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 	if err != nil {
 		return res, err
 	}
-	stopped := false
-	defer func() {
-		if !stopped {
-			svc.Kill()
-		}
-	}()
+	defer svc.Kill() // after Stop, it does nothing
 	pid := svc.Pid()
 
 	b.say("  making %d rows of each target due with one SQL UPDATE", res.each)
@@ -141,7 +136,6 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	res.all = rate{n: int64(2 * res.each), wall: pr.doneAt.Sub(t0), cpu: b.cpu(pid).sub(cpu0)}
-	stopped = true
 	if err := svc.Stop(time.Minute); err != nil {
 		return res, err
 	}

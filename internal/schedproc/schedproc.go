@@ -203,7 +203,8 @@ func (p *Process) Stop(within time.Duration) error {
 }
 
 // Kill ends the process at once, as a crash would (SIGKILL), and waits for
-// it to be gone.
+// it to be gone. Once the process has exited (after Stop, say) it does
+// nothing, so a caller may defer it right after starting the process.
 func (p *Process) Kill() {
 	_ = p.Cmd.Process.Kill() // it may have exited already
 	<-p.done
