@@ -1,8 +1,10 @@
 -- Targets share claims by weight.
 --
 -- Adds target_control.weight (1 to 100, default 1) and
--- target_control_history.weight. Changes sql/queries/dispatch_claim.sql
--- (not a definition: the binary's own statement), the trigger
+-- target_control_history.weight. Changes sql/queries/dispatch_claim.sql,
+-- which takes turns by weight, and the three claim statements, which
+-- return each message's target weight (not definitions: the binary's own
+-- statements), the trigger
 -- target_control_changed_by of sql/schema/triggers/target_control.sql and
 -- sql/schema/functions/target_control_record.sql, which now record a
 -- change of the weight too.
