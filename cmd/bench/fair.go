@@ -208,13 +208,8 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 	// The warm-up's records go through ingest and dispatch first, so that
 	// the first quiet record does not pay for the service's first round.
 	warm := b.cfg.Warmup
-	if _, _, err := produceAll(ctx, lp, warm, func(i int) *sarama.ProducerMessage {
-		return deferRecord(ownKeys.key("w", i), i, topicWarmup, when{})
-	}); err != nil {
+	if err := warmUp(ctx, lp, w, svc, warm); err != nil {
 		return res, err
-	}
-	if _, err := track(ctx, "warm-up delivery", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(warm), timeoutFor(warm)); err != nil {
-		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	// The quiet target alone, its records delivered before the backlog is
 	// made due.
@@ -241,30 +236,8 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 	if tag.RowsAffected() != int64(res.backlog) {
 		return res, fmt.Errorf("make %s's backlog due: %d rows pending, want %d", topicFairBacklog, tag.RowsAffected(), res.backlog)
 	}
-	stop := make(chan struct{})
-	type produced struct {
-		n   int
-		err error
-	}
-	quiet := make(chan produced, 1)
-	go func() {
-		n, err := producePacedUntil(ctx, lp, res.rate, stop, func(i int, now time.Time) *sarama.ProducerMessage {
-			return deferRecord(ownKeys.key("q", nAlone+i), nAlone+i, topicFairQuiet, when{at: now})
-		})
-		quiet <- produced{nAlone + n, err}
-	}()
-	// The quiet producer stops on every path out, so that its goroutine
-	// never outlives the producer it sends through.
-	var q *produced
-	endQuiet := func() produced {
-		if q == nil {
-			close(stop)
-			p := <-quiet
-			q = &p
-		}
-		return *q
-	}
-	defer endQuiet()
+	quiet := startQuiet(ctx, lp, res.rate, topicFairQuiet, "q", nAlone)
+	defer quiet.end()
 	stopWatch := make(chan struct{})
 	watched := make(chan vacuumSeen, 1)
 	go func() { watched <- watchVacuum(ctx, db, stopWatch) }()
@@ -283,17 +256,9 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 	}
 	res.drain = rate{n: int64(res.backlog), wall: pr.doneAt.Sub(t0), cpu: b.cpu(pid).sub(cpu0)}
 	drained := pr.doneAt
-	select {
-	case <-time.After(fairAside):
-	case <-ctx.Done():
-		return res, ctx.Err()
-	}
-	sent := endQuiet()
-	if sent.err != nil {
-		return res, sent.err
-	}
-	if _, err := track(ctx, "quiet target", func() (int64, error) { return w.count(topicFairQuiet) }, 0, int64(sent.n), timeoutFor(sent.n)); err != nil {
-		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	sent, err := quiet.finish(ctx, w, svc)
+	if err != nil {
+		return res, err
 	}
 	vacuum := endWatch()
 	if err := svc.Stop(time.Minute); err != nil {
@@ -489,6 +454,20 @@ func (f fairResult) summarize(s *summary) {
 func fairTargets(target func(what, got, want string, ok bool), v map[string]float64) {
 	target(fmt.Sprintf("quiet target p99 lateness while another drains %s", group(v["fair_backlog_msgs"])),
 		fmt.Sprintf("%.1f ms", v["fair_quiet_p99_ms"]), "<= 100 ms", v["fair_quiet_p99_ms"] <= 100)
+	if v["weight_quiet_msgs"] > 0 {
+		target(fmt.Sprintf("the same while two drain %s each, one of weight %d", group(v["weight_expected"]/2), weightHeavy),
+			fmt.Sprintf("%.1f ms", v["weight_quiet_p99_ms"]), "<= 100 ms", v["weight_quiet_p99_ms"] <= 100)
+	}
+}
+
+// writeFairChecks writes the fairness scenario's and the weighted drain's
+// read back.
+func writeFairChecks(w io.Writer, v map[string]float64) {
+	fmt.Fprintf(w, "fairness: %s of %s messages delivered (read back from every target topic), %s out of per-key order;\n",
+		group(v["fair_delivered"]), group(v["fair_expected"]), group(v["fair_out_of_order"]))
+	fmt.Fprintf(w, "the weighted drain: %s of %s backlog messages delivered, %s out of per-key order; its quiet target %s of %s, %s out of order\n",
+		group(v["weight_delivered"]), group(v["weight_expected"]), group(v["weight_out_of_order"]),
+		group(v["weight_quiet_delivered"]), group(v["weight_quiet_expected"]), group(v["weight_quiet_out_of_order"]))
 }
 
 func (f fairResult) write(w io.Writer) {
@@ -575,9 +554,84 @@ func (r *results) writeOnlyFair(w io.Writer, s *summary) {
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
 	fairTargets(targetRow(tw), s.vals)
 	tw.Flush()
-	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order;\n",
-		group(s.vals["fair_delivered"]), group(s.vals["fair_expected"]), group(s.vals["fair_out_of_order"]))
-	fmt.Fprintf(w, "the weighted drain: %s of %s delivered, %s out of per-key order\n",
-		group(s.vals["weight_delivered"]), group(s.vals["weight_expected"]), group(s.vals["weight_out_of_order"]))
+	fmt.Fprint(w, "\nCHECKS: ")
+	writeFairChecks(w, s.vals)
 	fmt.Fprintln(w, s.resultLine())
+}
+
+// quietStream sends a quiet target's records, due on arrival, at a steady
+// rate from start until end: what the fairness and weighted drains measure
+// a quiet target's lateness by while backlogs drain.
+type quietStream struct {
+	target string
+	stop   chan struct{}
+	done   chan quietSent
+	sent   *quietSent
+}
+
+// quietSent is what a quietStream sent: records first..n-1, and the
+// producer's error if any.
+type quietSent struct {
+	n   int
+	err error
+}
+
+// startQuiet sends rate records a second to target through lp, record i
+// (from first on) of business key and record key ownKeys.key(prefix, i),
+// due at its send time, until end is called.
+func startQuiet(ctx context.Context, lp *loadProducer, rate int, target, prefix string, first int) *quietStream {
+	q := &quietStream{target: target, stop: make(chan struct{}), done: make(chan quietSent, 1)}
+	go func() {
+		n, err := producePacedUntil(ctx, lp, rate, q.stop, func(i int, now time.Time) *sarama.ProducerMessage {
+			return deferRecord(ownKeys.key(prefix, first+i), first+i, target, when{at: now})
+		})
+		q.done <- quietSent{first + n, err}
+	}()
+	return q
+}
+
+// end stops the stream and waits for the acknowledgements of what it sent;
+// it may be called again (a deferred call on every path out, so that the
+// stream never outlives the producer it sends through) and returns the
+// same.
+func (q *quietStream) end() quietSent {
+	if q.sent == nil {
+		close(q.stop)
+		s := <-q.done
+		q.sent = &s
+	}
+	return *q.sent
+}
+
+// finish lets the stream run fairAside more, so that it does not end with
+// the drain, then ends it and waits until all it sent is on its target.
+func (q *quietStream) finish(ctx context.Context, w *watcher, svc *service) (quietSent, error) {
+	select {
+	case <-time.After(fairAside):
+	case <-ctx.Done():
+		return quietSent{}, ctx.Err()
+	}
+	sent := q.end()
+	if sent.err != nil {
+		return sent, sent.err
+	}
+	if _, err := track(ctx, "quiet target", func() (int64, error) { return w.count(q.target) }, 0, int64(sent.n), timeoutFor(sent.n)); err != nil {
+		return sent, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	}
+	return sent, nil
+}
+
+// warmUp sends n records due now to topicWarmup (keys ownKeys.key("w", i))
+// and waits until they are on it, so that what a scenario measures next
+// does not pay for the service's first round.
+func warmUp(ctx context.Context, lp *loadProducer, w *watcher, svc *service, n int) error {
+	if _, _, err := produceAll(ctx, lp, n, func(i int) *sarama.ProducerMessage {
+		return deferRecord(ownKeys.key("w", i), i, topicWarmup, when{})
+	}); err != nil {
+		return err
+	}
+	if _, err := track(ctx, "warm-up delivery", func() (int64, error) { return w.count(topicWarmup) }, 0, int64(n), timeoutFor(n)); err != nil {
+		return fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
+	}
+	return nil
 }

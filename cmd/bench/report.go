@@ -635,6 +635,7 @@ func (r *results) write(w io.Writer) {
 
 	fmt.Fprintf(w, "\nCHECKS: %s of %s messages delivered (read back from every target topic), %s out of per-key order, %s duplicates\n",
 		group(v["delivered"]), group(v["expected"]), group(v["out_of_order"]), group(v["duplicates"]))
+	writeFairChecks(w, v)
 	fmt.Fprintln(w, s.resultLine())
 }
 

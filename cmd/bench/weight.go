@@ -10,10 +10,12 @@ import (
 )
 
 // The weighted drain's targets: two backlogs made due at once, the first
-// of weight weightHeavy, the second of the default weight 1.
+// of weight weightHeavy, the second of the default weight 1, and a quiet
+// target of the default weight whose records come in meanwhile.
 const (
 	topicWeightHeavy = "bench.weight.payments"
 	topicWeightLight = "bench.weight.reports"
+	topicWeightQuiet = "bench.weight.alerts"
 	weightHeavy      = 3
 )
 
@@ -30,7 +32,16 @@ type weightResult struct {
 	heavy     rate
 	lightThen int64
 	all       rate
-	checks    []check
+	// quiet is the lateness of the quiet target's records due from the
+	// UPDATE's commit to the last message of either backlog (none if the
+	// drain was too short for one), quietSent all it sent: the stream runs
+	// fairAside longer, so that it does not end with the drain.
+	quiet     latencies
+	quietSent int
+	// checks are the read back of both backlogs' topics; quietCheck the
+	// quiet target's.
+	checks     []check
+	quietCheck check
 }
 
 // lightRate is the default-weight target's rate while the weighted one
@@ -71,7 +82,10 @@ func (r weightResult) ratio() float64 {
 // runWeighted drains two backlogs of half the fairness backlog each, made
 // due by one UPDATE, the first target of weight weightHeavy: while both
 // have due heads, claims take weightHeavy of its heads per turn and one of
-// the other's (docs/design.md section 4.10).
+// the other's (docs/design.md section 4.10). Meanwhile a quiet target of
+// the default weight receives FairRate records a second, due on arrival,
+// as in runFair: weights must not take from a target what the round's
+// turns and express claims give it.
 func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 	res = weightResult{each: max(1, b.cfg.FairBacklog/2)}
 	db, err := b.pg.freshService(ctx, "svc_weight")
@@ -94,11 +108,16 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 		}
 	}
 
-	kc, addr, err := startKafka(b.cfg.Partitions, deferTopic, topicWeightHeavy, topicWeightLight)
+	kc, addr, err := startKafka(b.cfg.Partitions, deferTopic, topicWarmup, topicWeightHeavy, topicWeightLight, topicWeightQuiet)
 	if err != nil {
 		return res, err
 	}
 	defer kc.Close()
+	lp, err := newLoadProducer(addr)
+	if err != nil {
+		return res, err
+	}
+	defer lp.close()
 	w, err := newWatcher(addr)
 	if err != nil {
 		return res, err
@@ -111,8 +130,11 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 	}
 	defer svc.Kill() // after Stop, it does nothing
 	pid := svc.Pid()
+	if err := warmUp(ctx, lp, w, svc, b.cfg.Warmup); err != nil {
+		return res, err
+	}
 
-	b.say("  making %d rows of each target due with one SQL UPDATE", res.each)
+	b.say("  making %d rows of each target due with one SQL UPDATE, %d quiet records/s from its commit", res.each, b.cfg.FairRate)
 	tag, err := db.pool.Exec(ctx, `UPDATE deferred_message SET next_run_at = now()
 		WHERE target_topic IN ($1, $2) AND state = 'pending'`, topicWeightHeavy, topicWeightLight)
 	if err != nil {
@@ -123,6 +145,8 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 	if tag.RowsAffected() != int64(2*res.each) {
 		return res, fmt.Errorf("make the backlogs due: %d rows pending, want %d", tag.RowsAffected(), 2*res.each)
 	}
+	quiet := startQuiet(ctx, lp, b.cfg.FairRate, topicWeightQuiet, "wq", 0)
+	defer quiet.end()
 	pr, err := track(ctx, "weighted backlog drain", func() (int64, error) { return w.count(topicWeightHeavy) }, 0, int64(res.each), timeoutFor(res.each))
 	if err != nil {
 		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
@@ -136,6 +160,12 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 		return res, fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs())
 	}
 	res.all = rate{n: int64(2 * res.each), wall: pr.doneAt.Sub(t0), cpu: b.cpu(pid).sub(cpu0)}
+	drained := pr.doneAt
+	sent, err := quiet.finish(ctx, w, svc)
+	if err != nil {
+		return res, err
+	}
+	res.quietSent = sent.n
 	if err := svc.Stop(time.Minute); err != nil {
 		return res, err
 	}
@@ -150,6 +180,26 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 			return res, err
 		}
 	}
+	ds, err := readBack(ctx, addr, topicWeightQuiet)
+	if err != nil {
+		return res, err
+	}
+	res.quietCheck = verify(ds, sent.n)
+	if err := res.quietCheck.err("scheduler, weighted drain, " + topicWeightQuiet); err != nil {
+		return res, err
+	}
+	ls, err := lateness(ds)
+	if err != nil {
+		return res, err
+	}
+	var during []time.Duration
+	for i, d := range ds {
+		if !d.scheduledAt.After(drained) {
+			during = append(during, ls[i])
+		}
+	}
+	res.quiet = latencies{offered: b.cfg.FairRate, sent: len(during), sendFor: drained.Sub(t0),
+		p50: percentile(during, 0.50), p99: percentile(during, 0.99), max: percentile(during, 1)}
 	return res, nil
 }
 
@@ -174,6 +224,13 @@ func (r weightResult) summarize(s *summary) {
 	s.set("weight_delivered", float64(delivered))
 	s.set("weight_expected", float64(expected))
 	s.set("weight_out_of_order", float64(outOfOrder))
+	s.set("weight_quiet_msgs", float64(r.quiet.sent))
+	s.set("weight_quiet_p50_ms", ms(r.quiet.p50))
+	s.set("weight_quiet_p99_ms", ms(r.quiet.p99))
+	s.set("weight_quiet_max_ms", ms(r.quiet.max))
+	s.set("weight_quiet_delivered", float64(r.quietCheck.delivered))
+	s.set("weight_quiet_expected", float64(r.quietCheck.expected))
+	s.set("weight_quiet_out_of_order", float64(r.quietCheck.outOfOrder))
 }
 
 func (r weightResult) write(w io.Writer) {
@@ -193,6 +250,13 @@ func (r weightResult) write(w io.Writer) {
 		(r.all.wall - r.heavy.wall).Seconds(), group(r.tailRate()))
 	fmt.Fprintf(tw, "both\tto the last message\t%s\t%.2fs\t%s\t\n", group(float64(r.all.n)), r.all.wall.Seconds(), group(r.all.perSecond()))
 	tw.Flush()
+	if r.quiet.sent > 0 {
+		fmt.Fprintf(w, "%s (weight 1, %d msgs/s due on arrival): %s records due during the drain, lateness p50 %.1fms, p99 %.1fms, max %.1fms.\n",
+			topicWeightQuiet, r.quiet.offered, group(float64(r.quiet.sent)), ms(r.quiet.p50), ms(r.quiet.p99), ms(r.quiet.max))
+	} else {
+		fmt.Fprintf(w, "%s (weight 1, %d msgs/s due on arrival): none of its %s records fell due during the drain.\n",
+			topicWeightQuiet, r.quiet.offered, group(float64(r.quietSent)))
+	}
 	fmt.Fprintf(w, "While both drained, %s went %.2f times as fast as %s. CPU to the last message: service %.1fs, Postgres %.1fs;\n",
 		topicWeightHeavy, r.ratio(), topicWeightLight, r.all.cpu.service.Seconds(), r.all.cpu.postgres.Seconds())
 	fmt.Fprintf(w, "one core sorted %.1f M integers/s before the service started.\n", r.speed)
