@@ -89,6 +89,7 @@ type stmtTotal struct {
 	query      string
 	calls      int64
 	exec, plan time.Duration
+	jit        time.Duration
 }
 
 // stmtSample is a database's entries at one moment.
@@ -101,7 +102,7 @@ func (p *postgres) statements(ctx context.Context, name string) (stmtSample, err
 		return nil, nil
 	}
 	rows, err := p.admin.Query(ctx, `SELECT s.userid, coalesce(s.queryid, 0), NOT s.toplevel, s.calls, s.total_exec_time, s.total_plan_time,
-			coalesce(s.query, '')
+			s.jit_generation_time + s.jit_inlining_time + s.jit_optimization_time + s.jit_emission_time, coalesce(s.query, '')
 		FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid
 		WHERE d.datname = $1`, name)
 	if err != nil {
@@ -112,12 +113,13 @@ func (p *postgres) statements(ctx context.Context, name string) (stmtSample, err
 	for rows.Next() {
 		var k stmtKey
 		var t stmtTotal
-		var ms, planMS float64
-		if err := rows.Scan(&k.user, &k.id, &k.nested, &t.calls, &ms, &planMS, &t.query); err != nil {
+		var ms, planMS, jitMS float64
+		if err := rows.Scan(&k.user, &k.id, &k.nested, &t.calls, &ms, &planMS, &jitMS, &t.query); err != nil {
 			return nil, fmt.Errorf("read pg_stat_statements of %s: %w", name, err)
 		}
 		t.exec = time.Duration(ms * float64(time.Millisecond))
 		t.plan = time.Duration(planMS * float64(time.Millisecond))
+		t.jit = time.Duration(jitMS * float64(time.Millisecond))
 		s[k] = t
 	}
 	if err := rows.Err(); err != nil {
@@ -136,6 +138,11 @@ type stmtCost struct {
 	// A top-level statement is planned before it runs; a nested one while
 	// the statement that fired it runs, so that one's exec holds it.
 	plan time.Duration
+	// jit is the part of exec spent compiling it by JIT: a statement
+	// costed above jit_above_cost compiles itself on every run, and at
+	// about 100 ms that can be most of a short statement's time
+	// (docs/benchmarks.md, "The claim compiled by JIT").
+	jit time.Duration
 }
 
 // since returns what each statement cost between before and s, most
@@ -151,7 +158,7 @@ func (s stmtSample) since(before stmtSample, lb *stmtLabeler) []stmtCost {
 			continue
 		}
 		out = append(out, stmtCost{label: lb.label(t.query), nested: k.nested, calls: t.calls - b.calls,
-			exec: t.exec - b.exec, plan: t.plan - b.plan})
+			exec: t.exec - b.exec, plan: t.plan - b.plan, jit: t.jit - b.jit})
 	}
 	slices.SortFunc(out, func(a, b stmtCost) int {
 		return cmp.Or(cmp.Compare(b.exec+b.plan, a.exec+a.plan), strings.Compare(a.label, b.label))
@@ -262,7 +269,7 @@ func writeStatements(w io.Writer, title string, contenders []stmtPhase) {
 	}
 	fmt.Fprintf(w, "\n%s\n", title)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "contender\tµs per msg\tof it planning\tshare\tcalls\t  statement")
+	fmt.Fprintln(tw, "contender\tµs per msg\tof it planning\tof it JIT\tshare\tcalls\t  statement")
 	for _, c := range contenders {
 		if len(c.costs) == 0 || c.n <= 0 {
 			continue
@@ -274,18 +281,19 @@ func writeStatements(w io.Writer, title string, contenders []stmtPhase) {
 			if total > 0 {
 				share = fmt.Sprintf("%.0f%%", 100*float64(sc.exec+sc.plan)/float64(total))
 			}
-			fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%s\t%d\t  %s\n", c.name, perMsg(sc.exec+sc.plan), perMsg(sc.plan), share, sc.calls, label)
+			fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t%s\t%d\t  %s\n", c.name, perMsg(sc.exec+sc.plan), perMsg(sc.plan), perMsg(sc.jit), share, sc.calls, label)
 		}
 		for _, sc := range c.costs {
 			if !sc.nested && perMsg(sc.exec+sc.plan) >= 0.05 {
 				row(sc.label, sc)
 			}
 		}
-		var planned time.Duration
+		var planned, jitted time.Duration
 		for _, sc := range c.costs {
 			planned += sc.plan // nested planning included: it is time too, inside a statement sent
+			jitted += sc.jit   // likewise
 		}
-		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t100%%\t\t  all statements sent\n", c.name, perMsg(total), perMsg(planned))
+		fmt.Fprintf(tw, "%s\t%.1f\t%.1f\t%.1f\t100%%\t\t  all statements sent\n", c.name, perMsg(total), perMsg(planned), perMsg(jitted))
 		for _, sc := range c.costs {
 			if sc.nested && perMsg(sc.exec+sc.plan) >= 0.5 {
 				row("  inside: "+sc.label, sc)

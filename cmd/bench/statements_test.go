@@ -92,7 +92,7 @@ func TestStatementsNameWhereTimeGoes(t *testing.T) {
 
 	var out bytes.Buffer
 	writeStatements(&out, "WHERE", []stmtPhase{{"scheduler", rows, costs}})
-	for _, want := range []string{"of it planning", "dispatch_next_due.sql", "all statements sent", "inside: deferred_key_after_insert: WITH heads AS"} {
+	for _, want := range []string{"of it planning", "of it JIT", "dispatch_next_due.sql", "all statements sent", "inside: deferred_key_after_insert: WITH heads AS"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("report lacks %q:\n%s", want, out.String())
 		}

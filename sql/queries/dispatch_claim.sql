@@ -29,6 +29,15 @@
 -- were (the lock ends with the statement); keylock's share keeps them few.
 -- The weight is read from its row by the primary key, once per target.
 --
+-- Two LIMITs, on purpose: the inner one, $1, is what the planner estimates
+-- the read by; the outer one, which names the weight, is what the read
+-- stops at (rows are locked only as they are pulled through it). A LIMIT
+-- that names a column cannot be estimated, so the planner takes a tenth of
+-- the target's due heads: with 200,000 heads of one target due and
+-- analyzed, the claim was costed at 274,000, above jit_above_cost, and
+-- every claim spent about 110 ms compiling itself for a 15 ms read
+-- (docs/benchmarks.md, "The claim compiled by JIT").
+--
 -- The targets come from the view deferred_key_target, a loose scan of
 -- deferred_key_target_due (one index probe per target that has heads there), so the claim costs a few probes
 -- per target however long any target's backlog is. A target's due heads
@@ -83,15 +92,19 @@ WITH candidate AS MATERIALIZED (
     FROM deferred_key_target t
     LEFT JOIN target_control w ON w.target_topic = t.target
     CROSS JOIN LATERAL (
-        SELECT k.ctid, k.next_run_at
-        FROM deferred_key k
-        WHERE NOT k.throttled
-          AND k.head_target = t.target
-          AND k.next_run_at <= now()
-          AND (k.leased_until IS NULL OR k.leased_until <= now())
-        ORDER BY k.next_run_at
+        SELECT l.ctid, l.next_run_at
+        FROM (
+            SELECT k.ctid, k.next_run_at
+            FROM deferred_key k
+            WHERE NOT k.throttled
+              AND k.head_target = t.target
+              AND k.next_run_at <= now()
+              AND (k.leased_until IS NULL OR k.leased_until <= now())
+            ORDER BY k.next_run_at
+            LIMIT $1
+            FOR UPDATE SKIP LOCKED
+        ) l
         LIMIT least($1::int, $6::int * coalesce(w.weight, 1))
-        FOR UPDATE SKIP LOCKED
     ) h
     WHERE coalesce(t.target <> ALL (ARRAY(SELECT c.target_topic FROM target_control c
                                           WHERE c.paused OR c.rate_limit IS NOT NULL)), false)
