@@ -180,8 +180,16 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 			return res, err
 		}
 	}
-	ds, err := readBack(ctx, addr, topicWeightQuiet)
+	// The warm-up's records, like the fairness scenario's: all there once,
+	// in order; they count in no figure.
+	ds, err := readBack(ctx, addr, topicWarmup)
 	if err != nil {
+		return res, err
+	}
+	if err := verify(ds, b.cfg.Warmup).err("scheduler, weighted drain, " + topicWarmup); err != nil {
+		return res, err
+	}
+	if ds, err = readBack(ctx, addr, topicWeightQuiet); err != nil {
 		return res, err
 	}
 	res.quietCheck = verify(ds, sent.n)
