@@ -329,15 +329,11 @@ func (b *bench) runBare(ctx context.Context, ordered bool) (res bareResult, err 
 		})
 	}
 
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return res, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return res, err
-	}
 	defer w.close()
 
 	// The service's records exactly: same keys, values and headers.

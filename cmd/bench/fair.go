@@ -184,15 +184,11 @@ func (b *bench) runFair(ctx context.Context) (res fairResult, err error) {
 		return res, err
 	}
 	defer kc.Close()
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return res, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return res, err
-	}
 	defer w.close()
 
 	// The machine's speed before the service starts: a service that burns

@@ -43,15 +43,11 @@ func (b *bench) runLarge(ctx context.Context) (res largeResult, err error) {
 		return res, err
 	}
 	defer kc.Close()
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return res, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return res, err
-	}
 	defer w.close()
 
 	later := time.Now().Add(time.Hour)

@@ -257,6 +257,21 @@ func newWatcher(addr string) (*watcher, error) {
 
 func (w *watcher) close() { _ = w.client.Close() } // nothing to flush
 
+// newClients opens a scenario's load producer and watcher on the broker at
+// addr; on an error it closes what it opened.
+func newClients(addr string) (*loadProducer, *watcher, error) {
+	lp, err := newLoadProducer(addr)
+	if err != nil {
+		return nil, nil, err
+	}
+	w, err := newWatcher(addr)
+	if err != nil {
+		_ = lp.close()
+		return nil, nil, err
+	}
+	return lp, w, nil
+}
+
 // count returns the number of records in topic (it is never truncated).
 // It asks each partition leader once for all its partitions' high-water
 // marks (keygate's KafkaOffsets.Marks): track calls it every 10ms while a

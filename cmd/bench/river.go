@@ -239,15 +239,11 @@ func (b *bench) runRiver(ctx context.Context) (res riverResult, err error) {
 		err = errors.Join(err, <-consumed)
 	}()
 
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return res, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return res, err
-	}
 	defer w.close()
 
 	n, warm := b.cfg.N, b.cfg.Warmup

@@ -154,15 +154,11 @@ func (b *bench) runScalePoint(ctx context.Context, sp scaleSpec) (p scalePoint, 
 		return p, err
 	}
 	defer kc.Close()
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return p, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return p, err
-	}
 	defer w.close()
 
 	// The machine's speed before the service starts: a service that burns

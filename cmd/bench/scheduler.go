@@ -157,15 +157,11 @@ func (b *bench) runSchedulerOn(ctx context.Context, sh shape, backlog int, late 
 		return sc, err
 	}
 	defer kc.Close()
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return sc, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return sc, err
-	}
 	defer w.close()
 
 	n, warm := b.cfg.N, b.cfg.Warmup

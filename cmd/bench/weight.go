@@ -113,15 +113,11 @@ func (b *bench) runWeighted(ctx context.Context) (res weightResult, err error) {
 		return res, err
 	}
 	defer kc.Close()
-	lp, err := newLoadProducer(addr)
+	lp, w, err := newClients(addr)
 	if err != nil {
 		return res, err
 	}
 	defer lp.close()
-	w, err := newWatcher(addr)
-	if err != nil {
-		return res, err
-	}
 	defer w.close()
 	res.speed = cpuSpeed(b.cfg.SpeedProbe)
 	svc, err := b.startService(ctx, db.url, addr, false)
