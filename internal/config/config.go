@@ -35,7 +35,7 @@ import (
 // in every error about the variable. The README's table lists the same
 // variables with the same defaults (a test checks that).
 type Config struct {
-	DatabaseURL   string        `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate)"`
+	DatabaseURL   string        `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate); session settings go in its query string, e.g. ?options=-c%20jit%3Doff"`
 	KafkaBrokers  []string      `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
 	DeferTopic    string        `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
 	ConsumerGroup string        `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`

@@ -1,0 +1,155 @@
+package service
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+// Session settings ride in DATABASE_URL's query string (README, "Session
+// settings"): an operator turns the JIT off, say, without a change to the
+// server. A setting the server refuses stops start-up with its name
+// and value, and an application_name of the URL's own is kept.
+func TestOpenPoolSessionSettings(t *testing.T) {
+	db := pgtest.NewDB(t)
+	tests := []struct {
+		name    string
+		query   string            // added to the URL's query string, as written in it
+		want    map[string]string // setting -> SHOW's answer
+		wantErr []string          // in the error, if it must fail
+	}{
+		{
+			name: "defaults",
+			want: map[string]string{"application_name": "defer-scheduler"},
+		},
+		{
+			name:  "jit off and a work_mem",
+			query: "jit=off&work_mem=8MB",
+			want:  map[string]string{"jit": "off", "work_mem": "8MB", "application_name": "defer-scheduler"},
+		},
+		{
+			// The form the README gives, which psql takes too (libpq
+			// refuses a query parameter it does not know, such as jit).
+			name:  "jit off through options",
+			query: "options=-c%20jit%3Doff%20-c%20work_mem%3D8MB",
+			want:  map[string]string{"jit": "off", "work_mem": "8MB"},
+		},
+		{
+			name:  "the URL's application_name",
+			query: "application_name=scheduler-eu-1",
+			want:  map[string]string{"application_name": "scheduler-eu-1"},
+		},
+		{
+			name:    "a value the server refuses",
+			query:   "jit=sometimes",
+			wantErr: []string{"refused a session setting of DATABASE_URL's query string (jit=sometimes)", `parameter "jit" requires a Boolean value`},
+		},
+		{
+			name:    "a value the server refuses, through options",
+			query:   "options=-c%20jit%3Dsometimes",
+			wantErr: []string{"refused a session setting of DATABASE_URL's query string (options=-c jit=sometimes)", `parameter "jit" requires a Boolean value`},
+		},
+		{
+			name:    "a setting the server does not know",
+			query:   "jitt=off",
+			wantErr: []string{"refused a session setting of DATABASE_URL's query string (jitt=off)", `unrecognized configuration parameter "jitt"`},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			u := db.URL
+			if tt.query != "" {
+				sep := "?"
+				if strings.Contains(u, "?") {
+					sep = "&"
+				}
+				u += sep + tt.query
+			}
+			cfg, err := config.Load(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.DatabaseURL = u
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+
+			pool, err := openPool(ctx, cfg)
+			if tt.wantErr != nil {
+				if err == nil {
+					pool.Close()
+					t.Fatalf("openPool with %s: no error, want one naming %q", tt.query, tt.wantErr)
+				}
+				for _, w := range tt.wantErr {
+					if !strings.Contains(err.Error(), w) {
+						t.Errorf("openPool with %s: error %q does not contain %q", tt.query, err, w)
+					}
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("openPool with %s: %v", tt.query, err)
+			}
+			defer pool.Close()
+			// Every connection of the pool, not only the first: hold two.
+			c1, err := pool.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c1.Release()
+			c2, err := pool.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c2.Release()
+			for name, want := range tt.want {
+				for i, c := range []*pgxpool.Conn{c1, c2} {
+					var got string
+					if err := c.QueryRow(ctx, "SELECT current_setting($1)", name).Scan(&got); err != nil {
+						t.Fatalf("connection %d: current_setting(%s): %v", i+1, name, err)
+					}
+					if got != want {
+						t.Errorf("connection %d: %s = %q, want %q", i+1, name, got, want)
+					}
+				}
+			}
+		})
+	}
+}
+
+// The README's form of a session setting works for psql too, which the
+// runbook commands run with the same DATABASE_URL; the shorter jit=off,
+// which the service takes, is refused by libpq.
+func TestSessionSettingsInPsql(t *testing.T) {
+	psql, err := exec.LookPath("psql")
+	if err != nil {
+		t.Fatal("psql is not installed (Debian package postgresql-client); the runbook is meant for it")
+	}
+	db := pgtest.NewDB(t)
+	sep := "?"
+	if strings.Contains(db.URL, "?") {
+		sep = "&"
+	}
+	for _, tt := range []struct {
+		query, want string
+		ok          bool
+	}{
+		{"options=-c%20jit%3Doff", "off", true},
+		{"jit=off", `invalid URI query parameter: "jit"`, false},
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", db.URL+sep+tt.query, "-c", "SHOW jit").CombinedOutput()
+		cancel()
+		if (err == nil) != tt.ok || !strings.Contains(string(out), tt.want) {
+			t.Errorf("psql with %s: %v, printed %q; want success %v and %q", tt.query, err, out, tt.ok, tt.want)
+		}
+	}
+}
