@@ -68,11 +68,7 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			u := db.URL
 			if tt.query != "" {
-				sep := "?"
-				if strings.Contains(u, "?") {
-					sep = "&"
-				}
-				u += sep + tt.query
+				u = withQuery(t, db.URL, tt.query)
 			}
 			cfg, err := config.Load(nil)
 			if err != nil {
@@ -134,10 +130,6 @@ func TestSessionSettingsInPsql(t *testing.T) {
 		t.Fatal("psql is not installed (Debian package postgresql-client); the runbook is meant for it")
 	}
 	db := pgtest.NewDB(t)
-	sep := "?"
-	if strings.Contains(db.URL, "?") {
-		sep = "&"
-	}
 	for _, tt := range []struct {
 		query, want string
 		ok          bool
@@ -146,10 +138,23 @@ func TestSessionSettingsInPsql(t *testing.T) {
 		{"jit=off", `invalid URI query parameter: "jit"`, false},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", db.URL+sep+tt.query, "-c", "SHOW jit").CombinedOutput()
+		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", withQuery(t, db.URL, tt.query), "-c", "SHOW jit").CombinedOutput()
 		cancel()
 		if (err == nil) != tt.ok || !strings.Contains(string(out), tt.want) {
 			t.Errorf("psql with %s: %v, printed %q; want success %v and %q", tt.query, err, out, tt.ok, tt.want)
 		}
 	}
+}
+
+// withQuery returns the URL u with query added to its query string, as
+// written.
+func withQuery(t *testing.T, u, query string) string {
+	t.Helper()
+	if !strings.HasPrefix(u, "postgres://") && !strings.HasPrefix(u, "postgresql://") {
+		t.Fatalf("the test database's connection string %q is not a URL (set TEST_DATABASE_URL as postgres://...): these tests add to its query string", u)
+	}
+	if strings.Contains(u, "?") {
+		return u + "&" + query
+	}
+	return u + "?" + query
 }
