@@ -20,6 +20,7 @@ import (
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/keygate"
+	"github.com/deferq/scheduler/internal/pgsession"
 )
 
 // FromConfig is the console's Config as the service's configuration sets
@@ -39,6 +40,7 @@ func OpenPool(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 		return nil, fmt.Errorf("the console's database URL (CONSOLE_DATABASE_URL or DATABASE_URL) is not valid: %w", err)
 	}
 	pc.MaxConns = 4
+	carried := pgsession.Carried(pc.ConnConfig.RuntimeParams)
 	pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler-console"
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
@@ -48,6 +50,9 @@ func OpenPool(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 	defer cancel()
 	if err := pool.Ping(pctx); err != nil {
 		pool.Close()
+		if rerr := pgsession.Refused(err, "CONSOLE_DATABASE_URL or DATABASE_URL", pc.ConnConfig.Host, pc.ConnConfig.Port, carried); rerr != nil {
+			return nil, fmt.Errorf("console: %w", rerr)
+		}
 		return nil, fmt.Errorf("console: connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
 	}
 	return pool, nil

@@ -24,6 +24,7 @@ import (
 
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/operate"
+	"github.com/deferq/scheduler/internal/pgsession"
 )
 
 // opsConnectTimeout bounds connecting to the database: an operator asking a
@@ -169,6 +170,7 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 		return nil, usageError{fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)}
 	}
 	cc.ConnectTimeout = opsConnectTimeout
+	carried := pgsession.Carried(cc.RuntimeParams)
 	cc.RuntimeParams["application_name"] = "defer-scheduler-" + o.name
 	// A row locked by someone else (a dispatcher finalizing, an open psql
 	// session) must give a clear error, not a hang.
@@ -178,6 +180,9 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 	defer cancel()
 	conn, err := pgx.ConnectConfig(cctx, cc)
 	if err != nil {
+		if rerr := pgsession.Refused(err, "DATABASE_URL", cc.Host, cc.Port, carried); rerr != nil {
+			return nil, rerr
+		}
 		return nil, fmt.Errorf("connect to the database at %s:%d: %w", cc.Host, cc.Port, err)
 	}
 	return conn, nil

@@ -18,6 +18,8 @@ import (
 // must refuse with one line and a non-zero exit.
 func TestOpsCommands(t *testing.T) {
 	down := "DATABASE_URL=postgres://postgres@" + freeAddr(t) + "/scheduler?sslmode=disable"
+	// A server that is up, asked for a session setting it refuses.
+	refused := "DATABASE_URL=" + pgtest.WithQuery(t, pgtest.AdminURL(t), "options=-c%20jit%3Dsometimes")
 	tests := []struct {
 		name string
 		args []string
@@ -643,6 +645,8 @@ func TestOpsCommands(t *testing.T) {
 		// not use cannot stop them.
 		{name: "service settings do not matter", args: []string{"ls"}, env: []string{down, "LOG_LEVEL=loud", "KAFKA_SASL_MECHANISM=PLAIN"}, code: 1,
 			stderr: []string{"connect to the database"}},
+		{name: "a session setting refused", args: []string{"status"}, env: []string{refused}, code: 1,
+			stderr: []string{"scheduler status: the database at", "refused a session setting in DATABASE_URL (options=-c jit=sometimes)", `parameter "jit" requires a Boolean value`}},
 		{name: "database down: status", args: []string{"status"}, env: []string{down}, code: 1, stderr: []string{"scheduler status: connect to the database at 127.0.0.1:"}},
 		{name: "database down: ls --json", args: []string{"ls", "--json"}, env: []string{down}, code: 1, stderr: []string{`{"error":"connect to the database at 127.0.0.1:`}},
 		{name: "database down: show", args: []string{"show", "1"}, env: []string{down}, code: 1, stderr: []string{"connection refused"}},

@@ -269,6 +269,21 @@ func NewDB(tb testing.TB) DB {
 	return DB{Pool: db, URL: u, Name: name}
 }
 
+// WithQuery returns the URL connString with query (name=value pairs, as
+// written in a URL) added to its query string. It fails the test when
+// connString is libpq's keyword=value form (a TEST_DATABASE_URL written so):
+// tests of what a URL's query string carries need a URL.
+func WithQuery(tb testing.TB, connString, query string) string {
+	tb.Helper()
+	if !strings.HasPrefix(connString, "postgres://") && !strings.HasPrefix(connString, "postgresql://") {
+		tb.Fatalf("pgtest: the test server's connection string is not a URL (set TEST_DATABASE_URL as postgres://...); this test adds %q to its query string", query)
+	}
+	if strings.Contains(connString, "?") {
+		return connString + "&" + query
+	}
+	return connString + "?" + query
+}
+
 // withDatabase returns connString with its database replaced by name. It
 // accepts both URLs and libpq's keyword=value form.
 func withDatabase(connString, name string) (string, error) {

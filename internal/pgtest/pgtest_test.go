@@ -88,6 +88,17 @@ func TestWithDatabase(t *testing.T) {
 	}
 }
 
+func TestWithQuery(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{"postgres://u@h:5432/db?sslmode=disable", "postgres://u@h:5432/db?sslmode=disable&jit=off"},
+		{"postgresql://h/db", "postgresql://h/db?jit=off"},
+	} {
+		if got := WithQuery(t, tc.in, "jit=off"); got != tc.want {
+			t.Errorf("WithQuery(%q) = %q; want %q", tc.in, got, tc.want)
+		}
+	}
+}
+
 func tableExists(ctx context.Context, t *testing.T, db DB, table string) bool {
 	t.Helper()
 	var ok bool

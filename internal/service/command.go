@@ -6,16 +6,13 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"sort"
-	"strings"
 	"time"
 
-	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/pgsession"
 	"github.com/deferq/scheduler/migrations"
 )
 
@@ -117,10 +114,9 @@ const pingTimeout = 10 * time.Second
 // the database does not answer.
 //
 // Parameters of the URL's query string that pgx does not know itself (jit,
-// work_mem, statement_timeout, application_name, ...) are session settings
-// of every connection: pgconn sends them in the startup message, and the
-// server refuses a name or value it does not accept, which the first ping
-// reports. application_name is "defer-scheduler" unless the URL names one,
+// work_mem, options, application_name, ...) are session settings of every
+// connection (see internal/pgsession); a refused one is reported by the
+// first ping. application_name is "defer-scheduler" unless the URL names one,
 // so that replicas can be told apart in pg_stat_activity.
 func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL)
@@ -128,7 +124,7 @@ func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 		return nil, fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)
 	}
 	pc.MaxConns = cfg.DBMaxConns
-	settings := sessionSettings(pc.ConnConfig.RuntimeParams)
+	carried := pgsession.Carried(pc.ConnConfig.RuntimeParams)
 	if pc.ConnConfig.RuntimeParams["application_name"] == "" {
 		pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler"
 	}
@@ -147,38 +143,10 @@ func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 			return nil, fmt.Errorf("the database at %s:%d did not answer within %v (is DATABASE_URL's host and port a PostgreSQL server that is up?): %w",
 				pc.ConnConfig.Host, pc.ConnConfig.Port, pingTimeout, err)
 		}
-		var pe *pgconn.PgError
-		if settings != "" && errors.As(err, &pe) && refusedSetting(pe.Code) {
-			// The server's own message names the parameter but not where it
-			// came from.
-			return nil, fmt.Errorf("the database at %s:%d refused a session setting of DATABASE_URL's query string (%s): %w",
-				pc.ConnConfig.Host, pc.ConnConfig.Port, settings, err)
+		if rerr := pgsession.Refused(err, "DATABASE_URL", pc.ConnConfig.Host, pc.ConnConfig.Port, carried); rerr != nil {
+			return nil, rerr
 		}
 		return nil, fmt.Errorf("connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
 	}
 	return pool, nil
-}
-
-// refusedSetting reports whether code is a SQLSTATE of a startup message's
-// setting the server refuses: a bad value, an unknown name, one the role
-// may not set.
-func refusedSetting(code string) bool {
-	switch code {
-	case pgerrcode.InvalidParameterValue, pgerrcode.UndefinedObject,
-		pgerrcode.InsufficientPrivilege, pgerrcode.CantChangeRuntimeParam:
-		return true
-	}
-	return false
-}
-
-// sessionSettings lists the session settings a connection string carries
-// (pgconn's RuntimeParams: what it did not take for itself), as name=value,
-// sorted, for an error message.
-func sessionSettings(params map[string]string) string {
-	list := make([]string, 0, len(params))
-	for k, v := range params {
-		list = append(list, k+"="+v)
-	}
-	sort.Strings(list)
-	return strings.Join(list, ", ")
 }

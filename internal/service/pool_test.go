@@ -51,24 +51,24 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 		{
 			name:    "a value the server refuses",
 			query:   "jit=sometimes",
-			wantErr: []string{"refused a session setting of DATABASE_URL's query string (jit=sometimes)", `parameter "jit" requires a Boolean value`},
+			wantErr: []string{"refused a session setting in DATABASE_URL (jit=sometimes)", `parameter "jit" requires a Boolean value`},
 		},
 		{
 			name:    "a value the server refuses, through options",
 			query:   "options=-c%20jit%3Dsometimes",
-			wantErr: []string{"refused a session setting of DATABASE_URL's query string (options=-c jit=sometimes)", `parameter "jit" requires a Boolean value`},
+			wantErr: []string{"refused a session setting in DATABASE_URL (options=-c jit=sometimes)", `parameter "jit" requires a Boolean value`},
 		},
 		{
 			name:    "a setting the server does not know",
 			query:   "jitt=off",
-			wantErr: []string{"refused a session setting of DATABASE_URL's query string (jitt=off)", `unrecognized configuration parameter "jitt"`},
+			wantErr: []string{"refused a session setting in DATABASE_URL (jitt=off)", `unrecognized configuration parameter "jitt"`},
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			u := db.URL
 			if tt.query != "" {
-				u = withQuery(t, db.URL, tt.query)
+				u = pgtest.WithQuery(t, db.URL, tt.query)
 			}
 			cfg, err := config.Load(nil)
 			if err != nil {
@@ -138,23 +138,10 @@ func TestSessionSettingsInPsql(t *testing.T) {
 		{"jit=off", `invalid URI query parameter: "jit"`, false},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", withQuery(t, db.URL, tt.query), "-c", "SHOW jit").CombinedOutput()
+		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", pgtest.WithQuery(t, db.URL, tt.query), "-c", "SHOW jit").CombinedOutput()
 		cancel()
 		if (err == nil) != tt.ok || !strings.Contains(string(out), tt.want) {
 			t.Errorf("psql with %s: %v, printed %q; want success %v and %q", tt.query, err, out, tt.ok, tt.want)
 		}
 	}
-}
-
-// withQuery returns the URL u with query added to its query string, as
-// written.
-func withQuery(t *testing.T, u, query string) string {
-	t.Helper()
-	if !strings.HasPrefix(u, "postgres://") && !strings.HasPrefix(u, "postgresql://") {
-		t.Fatalf("the test database's connection string %q is not a URL (set TEST_DATABASE_URL as postgres://...): these tests add to its query string", u)
-	}
-	if strings.Contains(u, "?") {
-		return u + "&" + query
-	}
-	return u + "?" + query
 }

@@ -1,0 +1,55 @@
+// Package pgsession explains a first connection that failed because the
+// server refused a session setting the connection string carried.
+//
+// pgx sends every parameter of a connection string that is not one of its
+// own (jit, work_mem, options, application_name, ...) to the server in the
+// startup message, as libpq does with options. The server refuses a name it
+// does not know, a value it does not accept or a setting the role may not
+// make, and its message names the parameter but not where it came from:
+// an operator reading "parameter "jit" requires a Boolean value" has to
+// guess that it was DATABASE_URL. Carried and Refused make the error say
+// so (README, "Session settings").
+package pgsession
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Carried lists the session settings of params (a parsed connection
+// string's RuntimeParams: what pgx did not take for itself) as name=value,
+// sorted, comma-separated; "" when there are none. Call it before the
+// program adds settings of its own, so that only the string's are named.
+func Carried(params map[string]string) string {
+	list := make([]string, 0, len(params))
+	for k, v := range params {
+		list = append(list, k+"="+v)
+	}
+	sort.Strings(list)
+	return strings.Join(list, ", ")
+}
+
+// Refused returns the error to report when err, from a first connection to
+// the server at host:port, is that server refusing a session setting and
+// the connection string (named by source, e.g. "DATABASE_URL") carried
+// some (carried, from Carried): it names source and the settings, and
+// wraps err, whose message has the server's reason. Otherwise it returns
+// nil, and the caller reports err as it would have.
+func Refused(err error, source, host string, port uint16, carried string) error {
+	var pe *pgconn.PgError
+	if carried == "" || !errors.As(err, &pe) {
+		return nil
+	}
+	switch pe.Code {
+	case pgerrcode.InvalidParameterValue, pgerrcode.UndefinedObject,
+		pgerrcode.InsufficientPrivilege, pgerrcode.CantChangeRuntimeParam:
+		return fmt.Errorf("the database at %s:%d refused a session setting in %s (%s): %w",
+			host, port, source, carried, err)
+	}
+	return nil
+}

@@ -1,0 +1,121 @@
+package pgsession
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net/url"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { pgtest.Main(m) }
+
+func TestCarried(t *testing.T) {
+	for _, tt := range []struct {
+		params map[string]string
+		want   string
+	}{
+		{nil, ""},
+		{map[string]string{}, ""},
+		{map[string]string{"jit": "off"}, "jit=off"},
+		{map[string]string{"work_mem": "8MB", "jit": "off", "options": "-c lock_timeout=1s"},
+			"jit=off, options=-c lock_timeout=1s, work_mem=8MB"},
+	} {
+		if got := Carried(tt.params); got != tt.want {
+			t.Errorf("Carried(%v) = %q, want %q", tt.params, got, tt.want)
+		}
+	}
+}
+
+// Each way a real server refuses a setting of the startup message is
+// reported as the connection string's, with the server's reason; a failure
+// for another reason is left to the caller.
+func TestRefused(t *testing.T) {
+	admin := pgtest.AdminURL(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	// A role that may log in but is no superuser, for a setting only a
+	// superuser may make.
+	role := fmt.Sprintf("pgsession_%08x", rand.Uint32())
+	adminConn, err := pgx.Connect(ctx, admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Registered before the drop, so that it runs after it.
+	t.Cleanup(func() { adminConn.Close(context.Background()) })
+	if _, err := adminConn.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := adminConn.Exec(context.Background(), "DROP ROLE "+role); err != nil {
+			t.Errorf("drop role %s: %v", role, err)
+		}
+	})
+
+	tests := []struct {
+		name  string
+		user  string // empty: the admin URL's
+		query string
+		// want is in the error Refused returns; empty: it must return nil.
+		want []string
+	}{
+		{name: "a bad value", query: "jit=sometimes",
+			want: []string{"refused a session setting in DATABASE_URL (jit=sometimes)", `parameter "jit" requires a Boolean value`, "22023"}},
+		{name: "a bad value in options", query: "options=-c%20jit%3Dsometimes",
+			want: []string{"(options=-c jit=sometimes)", `parameter "jit" requires a Boolean value`}},
+		{name: "an unknown name", query: "jitt=off",
+			want: []string{"(jitt=off)", `unrecognized configuration parameter "jitt"`, "42704"}},
+		{name: "a superuser's setting", user: role, query: "log_min_duration_statement=0",
+			want: []string{"(log_min_duration_statement=0)", `permission denied to set parameter "log_min_duration_statement"`, "42501"}},
+		{name: "another failure, with settings", query: "jit=off", user: role + "_nobody"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			u, err := url.Parse(admin)
+			if err != nil {
+				t.Fatalf("the test server's URL: %v", err)
+			}
+			if tt.user != "" {
+				u.User = url.User(tt.user)
+			}
+			if u.RawQuery != "" {
+				u.RawQuery += "&"
+			}
+			u.RawQuery += tt.query
+			cc, err := pgx.ParseConfig(u.String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			carried := Carried(cc.RuntimeParams)
+			conn, err := pgx.ConnectConfig(ctx, cc)
+			if err == nil {
+				conn.Close(ctx)
+				t.Fatalf("connected with %s as %s; want the server to refuse", tt.query, u.User.Username())
+			}
+			got := Refused(err, "DATABASE_URL", cc.Host, cc.Port, carried)
+			if tt.want == nil {
+				if got != nil {
+					t.Fatalf("Refused(%v) = %v, want nil: not a refused setting", err, got)
+				}
+				return
+			}
+			if got == nil {
+				t.Fatalf("Refused(%v) = nil, want an error naming the settings", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(got.Error(), w) {
+					t.Errorf("Refused: %q does not contain %q", got, w)
+				}
+			}
+			if !strings.Contains(got.Error(), fmt.Sprintf("the database at %s:%d", cc.Host, cc.Port)) {
+				t.Errorf("Refused: %q does not name the server", got)
+			}
+		})
+	}
+}
