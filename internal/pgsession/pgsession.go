@@ -14,6 +14,7 @@ package pgsession
 import (
 	"errors"
 	"fmt"
+	"regexp"
 	"sort"
 	"strings"
 
@@ -40,16 +41,41 @@ func Carried(params map[string]string) string {
 // some (carried, from Carried): it names source and the settings, and
 // wraps err, whose message has the server's reason. Otherwise it returns
 // nil, and the caller reports err as it would have.
+//
+// A bad value (22023), an unknown name (42704) and a setting that needs a
+// restart (55P02) can only be settings at connection time. A permission
+// error (42501) can also be the role's want of CONNECT on the database, so
+// it counts only when the server's message quotes a name the settings
+// carried (`permission denied to set parameter "x"`; quoted names survive
+// translation of the message).
 func Refused(err error, source, host string, port uint16, carried string) error {
 	var pe *pgconn.PgError
 	if carried == "" || !errors.As(err, &pe) {
 		return nil
 	}
 	switch pe.Code {
-	case pgerrcode.InvalidParameterValue, pgerrcode.UndefinedObject,
-		pgerrcode.InsufficientPrivilege, pgerrcode.CantChangeRuntimeParam:
-		return fmt.Errorf("the database at %s:%d refused a session setting in %s (%s): %w",
-			host, port, source, carried, err)
+	case pgerrcode.InvalidParameterValue, pgerrcode.UndefinedObject, pgerrcode.CantChangeRuntimeParam:
+	case pgerrcode.InsufficientPrivilege:
+		if !quotesName(pe.Message, carried) {
+			return nil
+		}
+	default:
+		return nil
 	}
-	return nil
+	return fmt.Errorf("the database at %s:%d refused a session setting in %s (%s): %w",
+		host, port, source, carried, err)
+}
+
+// settingName is a setting's name before its "=", in carried: the
+// parameters' own names and, inside options, each -c name=value's.
+var settingName = regexp.MustCompile(`([A-Za-z_][A-Za-z0-9_.]*)=`)
+
+// quotesName reports whether message quotes one of the names in carried.
+func quotesName(message, carried string) bool {
+	for _, m := range settingName.FindAllStringSubmatch(carried, -1) {
+		if strings.Contains(message, `"`+m[1]+`"`) {
+			return true
+		}
+	}
+	return false
 }

@@ -2,6 +2,7 @@ package pgsession
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net/url"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/deferq/scheduler/internal/pgtest"
 )
@@ -58,12 +60,21 @@ func TestRefused(t *testing.T) {
 		}
 	})
 
+	// A database the role may not connect to.
+	closed := pgtest.NewDB(t)
+	if _, err := closed.Pool.Exec(ctx, "REVOKE CONNECT ON DATABASE "+closed.Name+" FROM PUBLIC"); err != nil {
+		t.Fatal(err)
+	}
+
 	tests := []struct {
 		name  string
 		user  string // empty: the admin URL's
+		db    string // empty: the admin URL's
 		query string
 		// want is in the error Refused returns; empty: it must return nil.
 		want []string
+		code string // the server's SQLSTATE, where want is empty
+
 	}{
 		{name: "a bad value", query: "jit=sometimes",
 			want: []string{"refused a session setting in DATABASE_URL (jit=sometimes)", `parameter "jit" requires a Boolean value`, "22023"}},
@@ -73,7 +84,11 @@ func TestRefused(t *testing.T) {
 			want: []string{"(jitt=off)", `unrecognized configuration parameter "jitt"`, "42704"}},
 		{name: "a superuser's setting", user: role, query: "log_min_duration_statement=0",
 			want: []string{"(log_min_duration_statement=0)", `permission denied to set parameter "log_min_duration_statement"`, "42501"}},
-		{name: "another failure, with settings", query: "jit=off", user: role + "_nobody"},
+		{name: "a superuser's setting in options", user: role, query: "options=-c%20log_min_duration_statement%3D0",
+			want: []string{"(options=-c log_min_duration_statement=0)", `permission denied to set parameter "log_min_duration_statement"`}},
+		{name: "another failure, with settings", query: "jit=off", user: role + "_nobody", code: "28000"},
+		// 42501 too, but for the database, not a setting.
+		{name: "no CONNECT on the database, with settings", user: role, db: closed.Name, query: "jit=off", code: "42501"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -83,6 +98,9 @@ func TestRefused(t *testing.T) {
 			}
 			if tt.user != "" {
 				u.User = url.User(tt.user)
+			}
+			if tt.db != "" {
+				u.Path = "/" + tt.db
 			}
 			if u.RawQuery != "" {
 				u.RawQuery += "&"
@@ -100,6 +118,10 @@ func TestRefused(t *testing.T) {
 			}
 			got := Refused(err, "DATABASE_URL", cc.Host, cc.Port, carried)
 			if tt.want == nil {
+				var pe *pgconn.PgError
+				if !errors.As(err, &pe) || pe.Code != tt.code {
+					t.Fatalf("connecting failed with %v; want SQLSTATE %s", err, tt.code)
+				}
 				if got != nil {
 					t.Fatalf("Refused(%v) = %v, want nil: not a refused setting", err, got)
 				}
@@ -117,5 +139,23 @@ func TestRefused(t *testing.T) {
 				t.Errorf("Refused: %q does not name the server", got)
 			}
 		})
+	}
+}
+
+func TestQuotesName(t *testing.T) {
+	for _, tt := range []struct {
+		message, carried string
+		want             bool
+	}{
+		{`permission denied to set parameter "log_min_duration_statement"`, "log_min_duration_statement=0", true},
+		{`permission denied to set parameter "log_min_duration_statement"`, "options=-c log_min_duration_statement=0 -c jit=off", true},
+		{`permission denied to set parameter "log_statement"`, "jit=off, options=-c log_statement=all", true},
+		{`permission denied for database "jit"`, "jit=off", true}, // a database named as a setting: named as the settings' too
+		{`permission denied for database "orders"`, "jit=off", false},
+		{`permission denied for database "orders"`, "options=-c work_mem=8MB", false},
+	} {
+		if got := quotesName(tt.message, tt.carried); got != tt.want {
+			t.Errorf("quotesName(%q, %q) = %v, want %v", tt.message, tt.carried, got, tt.want)
+		}
 	}
 }
