@@ -3,12 +3,13 @@
 //
 // pgx sends every parameter of a connection string that is not one of its
 // own (jit, work_mem, options, application_name, ...) to the server in the
-// startup message, as libpq does with options. The server refuses a name it
+// startup message; libpq, and so psql, takes only those it knows, options
+// among them (README, "Session settings"). The server refuses a name it
 // does not know, a value it does not accept or a setting the role may not
 // make, and its message names the parameter but not where it came from:
 // an operator reading "parameter "jit" requires a Boolean value" has to
 // guess that it was DATABASE_URL. Carried and Refused make the error say
-// so (README, "Session settings").
+// so.
 package pgsession
 
 import (
