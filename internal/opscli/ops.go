@@ -173,9 +173,15 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 	carried := pgsession.Carried(cc.RuntimeParams)
 	cc.RuntimeParams["application_name"] = "defer-scheduler-" + o.name
 	// A row locked by someone else (a dispatcher finalizing, an open psql
-	// session) must give a clear error, not a hang.
-	cc.RuntimeParams["lock_timeout"] = "5s"
-	cc.RuntimeParams["statement_timeout"] = "30s"
+	// session) must give a clear error, not a hang. These are defaults:
+	// an operator who set one in DATABASE_URL (a cancel of a million rows
+	// may need more than 30s) gets theirs, and a default sent beside it
+	// would win, since the server applies these parameters after options.
+	for _, d := range []struct{ name, value string }{{"lock_timeout", "5s"}, {"statement_timeout", "30s"}} {
+		if !pgsession.Sets(cc.RuntimeParams, d.name) {
+			cc.RuntimeParams[d.name] = d.value
+		}
+	}
 	cctx, cancel := context.WithTimeout(ctx, opsConnectTimeout)
 	defer cancel()
 	conn, err := pgx.ConnectConfig(cctx, cc)

@@ -80,3 +80,73 @@ func quotesName(message, carried string) bool {
 	}
 	return false
 }
+
+// Sets reports whether params (a parsed connection string's RuntimeParams)
+// set the session setting name, either as a parameter of its own or inside
+// options, in any form the server takes there: "-c name=value",
+// "-cname=value" or "--name=value", a '-' in the name read as '_'.
+// Names are compared as the server does, ignoring case.
+//
+// A program that gives a setting a default of its own asks this first, so
+// that the connection string's setting wins: the server applies the
+// startup message's own parameters after options, so a default sent as a
+// parameter would silently override the operator's options.
+func Sets(params map[string]string, name string) bool {
+	for k := range params {
+		if strings.EqualFold(k, name) {
+			return true
+		}
+	}
+	args := splitOptions(params["options"])
+	for i := 0; i < len(args); i++ {
+		var setting string
+		switch a := args[i]; {
+		case a == "-c" && i+1 < len(args):
+			i++
+			setting = args[i]
+		case strings.HasPrefix(a, "--"), strings.HasPrefix(a, "-c"):
+			setting = a[2:]
+		default:
+			continue
+		}
+		// As the server's ParseLongOption reads a name.
+		if n, _, ok := strings.Cut(setting, "="); ok && strings.EqualFold(strings.ReplaceAll(n, "-", "_"), name) {
+			return true
+		}
+	}
+	return false
+}
+
+// splitOptions splits an options parameter into arguments as the server
+// does (pg_split_opts): at unescaped whitespace, a backslash taking the
+// next character as it is.
+func splitOptions(options string) []string {
+	var (
+		args    []string
+		cur     strings.Builder
+		inArg   bool
+		escaped bool
+	)
+	for _, r := range options {
+		switch {
+		case escaped:
+			cur.WriteRune(r)
+			escaped = false
+		case r == '\\':
+			escaped, inArg = true, true
+		case r == ' ' || r == '\t' || r == '\n' || r == '\r' || r == '\f' || r == '\v':
+			if inArg {
+				args = append(args, cur.String())
+				cur.Reset()
+				inArg = false
+			}
+		default:
+			cur.WriteRune(r)
+			inArg = true
+		}
+	}
+	if inArg {
+		args = append(args, cur.String())
+	}
+	return args
+}

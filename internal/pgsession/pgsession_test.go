@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/url"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -158,4 +159,83 @@ func TestQuotesName(t *testing.T) {
 			t.Errorf("quotesName(%q, %q) = %v, want %v", tt.message, tt.carried, got, tt.want)
 		}
 	}
+}
+
+// Sets finds a setting in every form a real server takes, and only there:
+// each case's connection string is given to the server, which must agree
+// about lock_timeout.
+func TestSets(t *testing.T) {
+	admin := pgtest.AdminURL(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, tt := range []struct {
+		name  string
+		query string // added to the test server's URL, as written there
+		want  bool   // lock_timeout is set, to 3s
+	}{
+		{"nothing", "", false},
+		{"a parameter of its own", "lock_timeout=3s", true},
+		{"a parameter in capitals", "LOCK_TIMEOUT=3s", true},
+		{"another parameter", "jit=off", false},
+		{"-c name=value", "options=" + escape("-c lock_timeout=3s"), true},
+		{"-cname=value", "options=" + escape("-clock_timeout=3s"), true},
+		{"--name=value", "options=" + escape("--lock_timeout=3s"), true},
+		{"--name-with-dashes=value", "options=" + escape("--lock-timeout=3s"), true},
+		{"-c NAME=value", "options=" + escape("-c LOCK_TIMEOUT=3s"), true},
+		{"among others", "options=" + escape("-c jit=off  -c lock_timeout=3s --work_mem=8MB"), true},
+		{"others only", "options=" + escape("-c jit=off -c statement_timeout=3s"), false},
+		{"in another's value", "options=" + escape("-c application_name=lock_timeout=3s"), false},
+		{"behind an escaped space", "options=" + escape(`-c application_name=x\ -c\ lock_timeout=3s`), false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			connString := admin
+			if tt.query != "" {
+				connString = pgtest.WithQuery(t, admin, tt.query)
+			}
+			cc, err := pgx.ParseConfig(connString)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := Sets(cc.RuntimeParams, "lock_timeout"); got != tt.want {
+				t.Errorf("Sets(%v, lock_timeout) = %v, want %v", cc.RuntimeParams, got, tt.want)
+			}
+			conn, err := pgx.ConnectConfig(ctx, cc)
+			if err != nil {
+				t.Fatalf("connect with %s: %v", tt.query, err)
+			}
+			defer conn.Close(ctx)
+			var server string
+			if err := conn.QueryRow(ctx, "SHOW lock_timeout").Scan(&server); err != nil {
+				t.Fatal(err)
+			}
+			if (server == "3s") != tt.want {
+				t.Errorf("the server's lock_timeout is %s with %s; Sets said %v", server, tt.query, tt.want)
+			}
+		})
+	}
+}
+
+func TestSplitOptions(t *testing.T) {
+	for _, tt := range []struct {
+		options string
+		want    []string
+	}{
+		{"", nil},
+		{"   ", nil},
+		{"-c jit=off", []string{"-c", "jit=off"}},
+		{" -c\tjit=off \n--work_mem=8MB ", []string{"-c", "jit=off", "--work_mem=8MB"}},
+		{`-c application_name=a\ b`, []string{"-c", "application_name=a b"}},
+		{`-c search_path=\\x`, []string{"-c", `search_path=\x`}},
+		{`\ `, []string{" "}},
+	} {
+		if got := splitOptions(tt.options); !slices.Equal(got, tt.want) {
+			t.Errorf("splitOptions(%q) = %q, want %q", tt.options, got, tt.want)
+		}
+	}
+}
+
+// escape writes s as a URL's query value for both pgx and libpq: neither
+// reads '+' as a space, and pgx refuses a bare '='.
+func escape(s string) string {
+	return strings.ReplaceAll(url.QueryEscape(s), "+", "%20")
 }

@@ -1,0 +1,55 @@
+package opscli
+
+import (
+	"context"
+	"io"
+	"testing"
+	"time"
+
+	"github.com/deferq/scheduler/internal/pgtest"
+)
+
+// An operator command's connection times out locks and statements by
+// default, and takes the timeouts DATABASE_URL sets instead, in either form
+// (README, "Session settings"): the server applies a parameter of the
+// startup message after options, so a default sent beside an operator's
+// options would silently win.
+func TestOpsSessionSettings(t *testing.T) {
+	admin := pgtest.AdminURL(t)
+	for _, tt := range []struct {
+		name, query              string // query: added to the URL; empty: none
+		lockTimeout, stmtTimeout string
+	}{
+		{"defaults", "", "5s", "30s"},
+		{"parameters of their own", "lock_timeout=1s&statement_timeout=2min", "1s", "2min"},
+		{"in options", "options=-c%20statement_timeout%3D10min", "5s", "10min"},
+		{"in options, long form", "options=--lock-timeout%3D2s%20-c%20jit%3Doff", "2s", "30s"},
+		{"something else in options", "options=-c%20work_mem%3D8MB", "5s", "30s"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			dbURL := admin
+			if tt.query != "" {
+				dbURL = pgtest.WithQuery(t, admin, tt.query)
+			}
+			o, _ := newOps("status", nil, io.Discard, io.Discard)
+			conn, err := o.connect(ctx, []string{"DATABASE_URL=" + dbURL})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close(ctx)
+			var lock, stmt, app string
+			if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), current_setting('application_name')").
+				Scan(&lock, &stmt, &app); err != nil {
+				t.Fatal(err)
+			}
+			if lock != tt.lockTimeout || stmt != tt.stmtTimeout {
+				t.Errorf("with %q: lock_timeout %s, statement_timeout %s; want %s, %s", tt.query, lock, stmt, tt.lockTimeout, tt.stmtTimeout)
+			}
+			if app != "defer-scheduler-status" {
+				t.Errorf("application_name %q, want defer-scheduler-status", app)
+			}
+		})
+	}
+}
