@@ -41,6 +41,9 @@ func OpenPool(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
 	}
 	pc.MaxConns = 4
 	carried := pgsession.Carried(pc.ConnConfig.RuntimeParams)
+	if err := pgsession.ReadCommitted(pc.ConnConfig.RuntimeParams, "CONSOLE_DATABASE_URL or DATABASE_URL"); err != nil {
+		return nil, fmt.Errorf("console: %w", err)
+	}
 	pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler-console"
 	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {

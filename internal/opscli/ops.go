@@ -171,6 +171,9 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 	}
 	cc.ConnectTimeout = opsConnectTimeout
 	carried := pgsession.Carried(cc.RuntimeParams)
+	if err := pgsession.ReadCommitted(cc.RuntimeParams, "DATABASE_URL"); err != nil {
+		return nil, usageError{err}
+	}
 	cc.RuntimeParams["application_name"] = "defer-scheduler-" + o.name
 	// A row locked by someone else (a dispatcher finalizing, an open psql
 	// session) must give a clear error, not a hang. These are defaults:
@@ -178,7 +181,7 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 	// may need more than 30s) gets theirs, and a default sent beside it
 	// would win, since the server applies these parameters after options.
 	for _, d := range []struct{ name, value string }{{"lock_timeout", "5s"}, {"statement_timeout", "30s"}} {
-		if !pgsession.Sets(cc.RuntimeParams, d.name) {
+		if _, ok := pgsession.Setting(cc.RuntimeParams, d.name); !ok {
 			cc.RuntimeParams[d.name] = d.value
 		}
 	}

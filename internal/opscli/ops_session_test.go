@@ -2,9 +2,13 @@ package opscli
 
 import (
 	"context"
+	"errors"
 	"io"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/deferq/scheduler/internal/pgtest"
 )
@@ -14,8 +18,16 @@ import (
 // (README, "Session settings"): the server applies a parameter of the
 // startup message after options, so a default sent beside an operator's
 // options would silently win.
+//
+// Its transactions are READ COMMITTED, which the head triggers need, over
+// the database's default of REPEATABLE READ here; a URL that asks for
+// another level is refused.
 func TestOpsSessionSettings(t *testing.T) {
-	admin := pgtest.AdminURL(t)
+	db := pgtest.NewDB(t)
+	if _, err := db.Pool.Exec(t.Context(),
+		"ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
+		t.Fatal(err)
+	}
 	for _, tt := range []struct {
 		name, query              string // query: added to the URL; empty: none
 		lockTimeout, stmtTimeout string
@@ -29,9 +41,9 @@ func TestOpsSessionSettings(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			dbURL := admin
+			dbURL := db.URL
 			if tt.query != "" {
-				dbURL = pgtest.WithQuery(t, admin, tt.query)
+				dbURL = pgtest.WithQuery(t, db.URL, tt.query)
 			}
 			o, _ := newOps("status", nil, io.Discard, io.Discard)
 			conn, err := o.connect(ctx, []string{"DATABASE_URL=" + dbURL})
@@ -39,10 +51,14 @@ func TestOpsSessionSettings(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer conn.Close(ctx)
-			var lock, stmt, app string
-			if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), current_setting('application_name')").
-				Scan(&lock, &stmt, &app); err != nil {
+			var lock, stmt, app, level string
+			if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "+
+				"current_setting('application_name'), current_setting('transaction_isolation')").
+				Scan(&lock, &stmt, &app, &level); err != nil {
 				t.Fatal(err)
+			}
+			if level != "read committed" {
+				t.Errorf("transaction_isolation %q, want read committed", level)
 			}
 			if lock != tt.lockTimeout || stmt != tt.stmtTimeout {
 				t.Errorf("with %q: lock_timeout %s, statement_timeout %s; want %s, %s", tt.query, lock, stmt, tt.lockTimeout, tt.stmtTimeout)
@@ -51,5 +67,14 @@ func TestOpsSessionSettings(t *testing.T) {
 				t.Errorf("application_name %q, want defer-scheduler-status", app)
 			}
 		})
+	}
+
+	// A URL that asks for another level: refused before connecting, as a
+	// mistake in how the command was called.
+	o, _ := newOps("status", nil, io.Discard, io.Discard)
+	_, err := o.connect(t.Context(), []string{"DATABASE_URL=" + pgtest.WithQuery(t, db.URL, "options=-c%20default_transaction_isolation%3Dserializable")})
+	var ue usageError
+	if !errors.As(err, &ue) || !strings.Contains(err.Error(), "DATABASE_URL sets default_transaction_isolation=serializable; the scheduler needs read committed") {
+		t.Errorf("connect with serializable: %v; want a usage error naming the setting", err)
 	}
 }

@@ -81,22 +81,28 @@ func quotesName(message, carried string) bool {
 	return false
 }
 
-// Sets reports whether params (a parsed connection string's RuntimeParams)
-// set the session setting name, either as a parameter of its own or inside
-// options, in any form the server takes there: "-c name=value",
-// "-cname=value" or "--name=value", a '-' in the name read as '_'.
-// Names are compared as the server does, ignoring case.
+// Setting returns the value params (a parsed connection string's
+// RuntimeParams) give the session setting name, and whether they set it at
+// all: as a parameter of its own or inside options, in any form the server
+// takes there ("-c name=value", "-cname=value" or "--name=value", a '-' in
+// the name read as '_'). Names are compared as the server does, ignoring
+// case. Where several set it, the value is the one the server ends with: a
+// parameter of its own is applied after options, and within options the
+// last one counts.
 //
 // A program that gives a setting a default of its own asks this first, so
-// that the connection string's setting wins: the server applies the
-// startup message's own parameters after options, so a default sent as a
-// parameter would silently override the operator's options.
-func Sets(params map[string]string, name string) bool {
-	for k := range params {
+// that the connection string's setting wins: a default sent as a parameter
+// would silently override the operator's options.
+func Setting(params map[string]string, name string) (string, bool) {
+	for k, v := range params {
 		if strings.EqualFold(k, name) {
-			return true
+			return v, true
 		}
 	}
+	var (
+		value string
+		found bool
+	)
 	args := splitOptions(params["options"])
 	for i := 0; i < len(args); i++ {
 		var setting string
@@ -110,11 +116,36 @@ func Sets(params map[string]string, name string) bool {
 			continue
 		}
 		// As the server's ParseLongOption reads a name.
-		if n, _, ok := strings.Cut(setting, "="); ok && strings.EqualFold(strings.ReplaceAll(n, "-", "_"), name) {
-			return true
+		if n, v, ok := strings.Cut(setting, "="); ok && strings.EqualFold(strings.ReplaceAll(n, "-", "_"), name) {
+			value, found = v, true
 		}
 	}
-	return false
+	return value, found
+}
+
+// ReadCommitted makes a connection of params (a parsed connection string's
+// RuntimeParams, named by source, e.g. "DATABASE_URL") run its
+// transactions READ COMMITTED, whatever the role's or database's
+// default_transaction_isolation: it sets that parameter, which the server
+// applies over both. The scheduler's statements and triggers read again
+// after taking locks, and see what committed meanwhile only so
+// (docs/design.md section 4). A connection string that asks for another
+// level itself is an error, which names it.
+func ReadCommitted(params map[string]string, source string) error {
+	const name = "default_transaction_isolation"
+	v, ok := Setting(params, name)
+	if !ok {
+		params[name] = "read committed"
+		return nil
+	}
+	// The server's names, compared as it does; READ UNCOMMITTED is READ
+	// COMMITTED in PostgreSQL.
+	switch strings.ToLower(strings.TrimSpace(v)) {
+	case "read committed", "read uncommitted":
+		return nil
+	}
+	return fmt.Errorf("%s sets %s=%s; the scheduler needs read committed (its statements and triggers read again after taking locks, and must see what committed meanwhile): remove the setting",
+		source, name, v)
 }
 
 // splitOptions splits an options parameter into arguments as the server

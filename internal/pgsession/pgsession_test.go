@@ -1,6 +1,7 @@
 package pgsession
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -161,31 +162,33 @@ func TestQuotesName(t *testing.T) {
 	}
 }
 
-// Sets finds a setting in every form a real server takes, and only there:
-// each case's connection string is given to the server, which must agree
-// about lock_timeout.
-func TestSets(t *testing.T) {
+// Setting finds a setting in every form a real server takes, and only
+// there, with the value the server ends with: each case's connection string
+// is given to the server, which must agree about lock_timeout.
+func TestSetting(t *testing.T) {
 	admin := pgtest.AdminURL(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	for _, tt := range []struct {
 		name  string
 		query string // added to the test server's URL, as written there
-		want  bool   // lock_timeout is set, to 3s
+		want  string // lock_timeout's value; empty: not set
 	}{
-		{"nothing", "", false},
-		{"a parameter of its own", "lock_timeout=3s", true},
-		{"a parameter in capitals", "LOCK_TIMEOUT=3s", true},
-		{"another parameter", "jit=off", false},
-		{"-c name=value", "options=" + escape("-c lock_timeout=3s"), true},
-		{"-cname=value", "options=" + escape("-clock_timeout=3s"), true},
-		{"--name=value", "options=" + escape("--lock_timeout=3s"), true},
-		{"--name-with-dashes=value", "options=" + escape("--lock-timeout=3s"), true},
-		{"-c NAME=value", "options=" + escape("-c LOCK_TIMEOUT=3s"), true},
-		{"among others", "options=" + escape("-c jit=off  -c lock_timeout=3s --work_mem=8MB"), true},
-		{"others only", "options=" + escape("-c jit=off -c statement_timeout=3s"), false},
-		{"in another's value", "options=" + escape("-c application_name=lock_timeout=3s"), false},
-		{"behind an escaped space", "options=" + escape(`-c application_name=x\ -c\ lock_timeout=3s`), false},
+		{"nothing", "", ""},
+		{"a parameter of its own", "lock_timeout=3s", "3s"},
+		{"a parameter in capitals", "LOCK_TIMEOUT=3s", "3s"},
+		{"another parameter", "jit=off", ""},
+		{"-c name=value", "options=" + escape("-c lock_timeout=3s"), "3s"},
+		{"-cname=value", "options=" + escape("-clock_timeout=3s"), "3s"},
+		{"--name=value", "options=" + escape("--lock_timeout=3s"), "3s"},
+		{"--name-with-dashes=value", "options=" + escape("--lock-timeout=3s"), "3s"},
+		{"-c NAME=value", "options=" + escape("-c LOCK_TIMEOUT=3s"), "3s"},
+		{"among others", "options=" + escape("-c jit=off  -c lock_timeout=3s --work_mem=8MB"), "3s"},
+		{"twice in options: the last", "options=" + escape("-c lock_timeout=3s -c lock_timeout=4s"), "4s"},
+		{"in options and of its own: its own", "options=" + escape("-c lock_timeout=3s") + "&lock_timeout=4s", "4s"},
+		{"others only", "options=" + escape("-c jit=off -c statement_timeout=3s"), ""},
+		{"in another's value", "options=" + escape("-c application_name=lock_timeout=3s"), ""},
+		{"behind an escaped space", "options=" + escape(`-c application_name=x\ -c\ lock_timeout=3s`), ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			connString := admin
@@ -196,8 +199,8 @@ func TestSets(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if got := Sets(cc.RuntimeParams, "lock_timeout"); got != tt.want {
-				t.Errorf("Sets(%v, lock_timeout) = %v, want %v", cc.RuntimeParams, got, tt.want)
+			if got, ok := Setting(cc.RuntimeParams, "lock_timeout"); got != tt.want || ok != (tt.want != "") {
+				t.Errorf("Setting(%v, lock_timeout) = %q, %v; want %q", cc.RuntimeParams, got, ok, tt.want)
 			}
 			conn, err := pgx.ConnectConfig(ctx, cc)
 			if err != nil {
@@ -208,8 +211,66 @@ func TestSets(t *testing.T) {
 			if err := conn.QueryRow(ctx, "SHOW lock_timeout").Scan(&server); err != nil {
 				t.Fatal(err)
 			}
-			if (server == "3s") != tt.want {
-				t.Errorf("the server's lock_timeout is %s with %s; Sets said %v", server, tt.query, tt.want)
+			if want := cmp.Or(tt.want, "0"); server != want {
+				t.Errorf("the server's lock_timeout is %s with %s; want %s", server, tt.query, want)
+			}
+		})
+	}
+}
+
+// ReadCommitted asks for READ COMMITTED over a database's stricter default,
+// keeps a connection string's own READ COMMITTED, and refuses any other
+// level it asks for, naming it.
+func TestReadCommitted(t *testing.T) {
+	db := pgtest.NewDB(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := db.Pool.Exec(ctx, "ALTER DATABASE "+db.Name+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name, query string // query: added to the database's URL; empty: none
+		refused     string // in the error; empty: none, and the connection is READ COMMITTED
+	}{
+		{"nothing: the database's default is overridden", "", ""},
+		{"read committed of its own", "default_transaction_isolation=read%20committed", ""},
+		{"READ COMMITTED in options", "options=" + escape(`-c default_transaction_isolation=READ\ COMMITTED`), ""},
+		{"read uncommitted", "default_transaction_isolation=read%20uncommitted", ""},
+		{"repeatable read", "default_transaction_isolation=repeatable%20read",
+			"DATABASE_URL sets default_transaction_isolation=repeatable read; the scheduler needs read committed"},
+		{"serializable in options", "options=" + escape("--default-transaction-isolation=serializable"),
+			"DATABASE_URL sets default_transaction_isolation=serializable; the scheduler needs read committed"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			connString := db.URL
+			if tt.query != "" {
+				connString = pgtest.WithQuery(t, db.URL, tt.query)
+			}
+			cc, err := pgx.ParseConfig(connString)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = ReadCommitted(cc.RuntimeParams, "DATABASE_URL")
+			if tt.refused != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.refused) {
+					t.Fatalf("ReadCommitted = %v, want an error containing %q", err, tt.refused)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("ReadCommitted = %v", err)
+			}
+			conn, err := pgx.ConnectConfig(ctx, cc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer conn.Close(ctx)
+			var level string
+			if err := conn.QueryRow(ctx, "SELECT current_setting('transaction_isolation')").Scan(&level); err != nil {
+				t.Fatal(err)
+			}
+			if level != "read committed" && level != "read uncommitted" {
+				t.Errorf("transaction_isolation %q, want read committed", level)
 			}
 		})
 	}

@@ -125,6 +125,9 @@ func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 	}
 	pc.MaxConns = cfg.DBMaxConns
 	carried := pgsession.Carried(pc.ConnConfig.RuntimeParams)
+	if err := pgsession.ReadCommitted(pc.ConnConfig.RuntimeParams, "DATABASE_URL"); err != nil {
+		return nil, err
+	}
 	if pc.ConnConfig.RuntimeParams["application_name"] == "" {
 		pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler"
 	}

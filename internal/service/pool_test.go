@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/config"
@@ -18,9 +19,16 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 // Session settings ride in DATABASE_URL's query string (README, "Session
 // settings"): an operator turns the JIT off, say, without a change to the
 // server. A setting the server refuses stops start-up with its name
-// and value, and an application_name of the URL's own is kept.
+// and value, and an application_name of the URL's own is kept. Every
+// connection is READ COMMITTED, which the head triggers need, over the
+// database's default of REPEATABLE READ here; a URL that asks for another
+// level stops start-up.
 func TestOpenPoolSessionSettings(t *testing.T) {
 	db := pgtest.NewDB(t)
+	if _, err := db.Pool.Exec(context.Background(),
+		"ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
+		t.Fatal(err)
+	}
 	tests := []struct {
 		name    string
 		query   string            // added to the URL's query string, as written in it
@@ -29,7 +37,17 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 	}{
 		{
 			name: "defaults",
-			want: map[string]string{"application_name": "defer-scheduler"},
+			want: map[string]string{"application_name": "defer-scheduler", "transaction_isolation": "read committed"},
+		},
+		{
+			name:  "read committed of the URL's own",
+			query: "options=-c%20default_transaction_isolation%3Dread%5C%20committed",
+			want:  map[string]string{"transaction_isolation": "read committed"},
+		},
+		{
+			name:    "another isolation level",
+			query:   "default_transaction_isolation=serializable",
+			wantErr: []string{"DATABASE_URL sets default_transaction_isolation=serializable; the scheduler needs read committed"},
 		},
 		{
 			name:  "jit off and a work_mem",

@@ -17,6 +17,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     freed text[];
 BEGIN
+    PERFORM deferred_require_read_committed(TG_TABLE_NAME);
     SELECT array_agg(DISTINCT o.business_key ORDER BY o.business_key) INTO freed
     FROM old_rows o
     WHERE NOT EXISTS (SELECT FROM deferred_inflight i WHERE i.business_key = o.business_key);

@@ -18,6 +18,7 @@ DECLARE
     keys text[];
     ids bigint[];
 BEGIN
+    PERFORM deferred_require_read_committed(TG_TABLE_NAME);
     SELECT array_agg(DISTINCT business_key ORDER BY business_key)
                FILTER (WHERE business_key IS NOT NULL),
            array_agg(id) FILTER (WHERE business_key IS NULL AND state = 'pending')

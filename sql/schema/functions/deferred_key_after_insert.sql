@@ -32,6 +32,7 @@ DECLARE
     earliest timestamptz;
     throttling text[];
 BEGIN
+    PERFORM deferred_require_read_committed(TG_TABLE_NAME);
     throttling := deferred_key_throttle_share(ARRAY(SELECT DISTINCT target_topic FROM new_rows WHERE state = 'pending'));
     WITH heads AS (
         INSERT INTO deferred_key AS k (business_key, head_id, head_seq, next_run_at, head_target, held, throttled)

@@ -22,6 +22,7 @@ DECLARE
     keys text[];
     ids bigint[];
 BEGIN
+    PERFORM deferred_require_read_committed(TG_TABLE_NAME);
     SELECT array_agg(DISTINCT k ORDER BY k) FILTER (WHERE k IS NOT NULL),
            array_agg(DISTINCT u) FILTER (WHERE u IS NOT NULL)
     INTO keys, ids

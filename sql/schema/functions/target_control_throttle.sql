@@ -5,6 +5,7 @@
 CREATE OR REPLACE FUNCTION target_control_throttle() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
+    PERFORM deferred_require_read_committed(TG_TABLE_NAME);
     IF TG_OP = 'INSERT' THEN
         IF NEW.paused OR NEW.rate_limit IS NOT NULL THEN
             PERFORM deferred_key_rethrottle(NEW.target_topic);

@@ -1,0 +1,21 @@
+-- The head triggers refuse a change made in a transaction that is not READ
+-- COMMITTED.
+--
+-- Adds sql/schema/functions/deferred_require_read_committed.sql, and
+-- changes these, which call it first:
+--   sql/schema/functions/deferred_key_after_insert.sql
+--   sql/schema/functions/deferred_key_after_update.sql
+--   sql/schema/functions/deferred_key_after_delete.sql
+--   sql/schema/functions/deferred_inflight_after_delete.sql
+--   sql/schema/functions/target_control_throttle.sql
+--
+-- The triggers lock the rows of the keys they touch and then read
+-- deferred_message again, which sees what other transactions committed
+-- meanwhile only when each statement takes its own snapshot. Under a
+-- REPEATABLE READ default (a role's or database's
+-- default_transaction_isolation, or an operator's BEGIN ISOLATION LEVEL),
+-- an operator's DELETE of a key's head while ingest stored the key's next
+-- message left that message pending with no head: never published, and
+-- nothing said so. Now such a write fails with SQLSTATE 0A000 and a hint,
+-- and changes nothing; the service, the console and the operator commands
+-- ask for READ COMMITTED on every connection.
