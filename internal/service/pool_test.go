@@ -2,6 +2,7 @@ package service
 
 import (
 	"context"
+	"fmt"
 	"os/exec"
 	"strings"
 	"testing"
@@ -141,25 +142,65 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 
 // The README's form of a session setting works for psql too, which the
 // runbook commands run with the same DATABASE_URL; the shorter jit=off,
-// which the service takes, is refused by libpq.
+// which the service takes, is refused by libpq. A runbook file's change
+// under a stricter default isolation is refused until the URL asks for
+// read committed.
 func TestSessionSettingsInPsql(t *testing.T) {
 	psql, err := exec.LookPath("psql")
 	if err != nil {
 		t.Fatal("psql is not installed (Debian package postgresql-client); the runbook is meant for it")
 	}
 	db := pgtest.NewDB(t)
+	// A database whose default isolation is stricter than the head
+	// triggers take: the README's options form gets psql read committed.
+	if _, err := db.Pool.Exec(context.Background(),
+		"ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
+		t.Fatal(err)
+	}
 	for _, tt := range []struct {
-		query, want string
-		ok          bool
+		query, show, want string
+		ok                bool
 	}{
-		{"options=-c%20jit%3Doff", "off", true},
-		{"jit=off", `invalid URI query parameter: "jit"`, false},
+		{"options=-c%20jit%3Doff", "jit", "off", true},
+		{"jit=off", "jit", `invalid URI query parameter: "jit"`, false},
+		{"options=-c%20default_transaction_isolation%3Dread%5C%20committed", "transaction_isolation", "read committed", true},
 	} {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", pgtest.WithQuery(t, db.URL, tt.query), "-c", "SHOW jit").CombinedOutput()
+		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-d", pgtest.WithQuery(t, db.URL, tt.query), "-c", "SHOW "+tt.show).CombinedOutput()
 		cancel()
 		if (err == nil) != tt.ok || !strings.Contains(string(out), tt.want) {
 			t.Errorf("psql with %s: %v, printed %q; want success %v and %q", tt.query, err, out, tt.ok, tt.want)
 		}
+	}
+
+	// A runbook file that changes messages, under that default: refused
+	// with the fix, then run as the README says.
+	var id int64
+	if err := db.Pool.QueryRow(context.Background(), `INSERT INTO deferred_message (business_key, target_topic, next_run_at)
+		VALUES ('k', 'orders.retry', now() + interval '1 hour') RETURNING id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		query, want string
+		ok          bool
+	}{
+		{"", "can be changed only in a READ COMMITTED transaction; this transaction is REPEATABLE READ", false},
+		{"options=-c%20default_transaction_isolation%3Dread%5C%20committed", "k|", true},
+	} {
+		u := db.URL
+		if tt.query != "" {
+			u = pgtest.WithQuery(t, db.URL, tt.query)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		out, err := exec.CommandContext(ctx, psql, "-X", "-tA", "-v", "ON_ERROR_STOP=1", "-d", u,
+			"-v", fmt.Sprintf("ids=%d", id), "-f", "../../sql/runbook/cancel_id.sql").CombinedOutput()
+		cancel()
+		if (err == nil) != tt.ok || !strings.Contains(string(out), tt.want) {
+			t.Errorf("cancel_id.sql with %q: %v, printed %q; want success %v and %q", tt.query, err, out, tt.ok, tt.want)
+		}
+	}
+	var left int
+	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM deferred_message").Scan(&left); err != nil || left != 0 {
+		t.Errorf("%d messages left (%v), want the one cancelled", left, err)
 	}
 }
