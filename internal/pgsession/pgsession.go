@@ -10,6 +10,11 @@
 // an operator reading "parameter "jit" requires a Boolean value" has to
 // guess that it was DATABASE_URL. Carried and Refused make the error say
 // so.
+//
+// Setting reads what a connection string sets, wherever in it, as the
+// server will, so that a program's own defaults (the operator commands'
+// timeouts) yield to the operator's; ReadCommitted gives every connection
+// the isolation level the scheduler's triggers need.
 package pgsession
 
 import (
