@@ -31,6 +31,7 @@ import (
 	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/console"
 	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/internal/pgsession"
 	"github.com/deferq/scheduler/internal/service"
 )
 
@@ -172,7 +173,16 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	if err != nil {
 		return err
 	}
-	pool, err := pgxpool.New(ctx, dbURL)
+	pc, err := pgxpool.ParseConfig(dbURL)
+	if err != nil {
+		return fmt.Errorf("the demo's database URL: %w", err)
+	}
+	// The demo's own statements (the operator's expedite) change messages:
+	// read committed, as the service's (README, "Session settings").
+	if err := pgsession.ReadCommitted(pc.ConnConfig.RuntimeParams, "DATABASE_URL"); err != nil {
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, pc)
 	if err != nil {
 		return fmt.Errorf("connect to the demo's database: %w", err)
 	}
@@ -217,9 +227,17 @@ func demoSchema(ctx context.Context, dbURL string) (string, func(context.Context
 	if _, err := conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
 		return "", nil, fmt.Errorf("create schema %s for the demo: %w", schema, err)
 	}
-	q := u.Query()
-	q.Set("search_path", schema)
-	u.RawQuery = q.Encode()
+	// The query string is edited as written, not re-encoded: url.Values
+	// would write a space of options=-c%20jit%3Doff as '+', which neither
+	// pgx nor libpq reads as one. A search_path of the URL's own goes (pgx
+	// takes a parameter's first value).
+	var params []string
+	for p := range strings.SplitSeq(u.RawQuery, "&") {
+		if k, _, _ := strings.Cut(p, "="); p != "" && k != "search_path" {
+			params = append(params, p)
+		}
+	}
+	u.RawQuery = strings.Join(append(params, "search_path="+url.QueryEscape(schema)), "&")
 	drop := func(ctx context.Context) error {
 		conn, err := pgx.Connect(ctx, dbURL)
 		if err != nil {

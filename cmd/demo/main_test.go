@@ -15,27 +15,40 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
 // `make demo` must keep working: run the scenario, once on a throwaway
 // cluster as on a fresh machine, once on a given DATABASE_URL, which it must
-// leave as it found it.
+// leave as it found it, and once more on that URL with session settings in
+// its query string (README, "Session settings") and a database whose
+// default isolation is stricter than the scheduler takes.
 func TestMain(m *testing.M) { pgtest.Main(m) }
 
 func TestDemo(t *testing.T) {
 	db := pgtest.NewDB(t)
 	tests := []struct {
-		name string
-		env  []string
+		name  string
+		env   []string
+		setup string // run on the given database first
 	}{
-		{"throwaway PostgreSQL", nil},
-		{"given DATABASE_URL", []string{"DATABASE_URL=" + db.URL}},
+		{name: "throwaway PostgreSQL"},
+		{name: "given DATABASE_URL", env: []string{"DATABASE_URL=" + db.URL}},
+		{name: "given DATABASE_URL with options, repeatable read by default",
+			env:   []string{"DATABASE_URL=" + pgtest.WithQuery(t, db.URL, "options=-c%20jit%3Doff%20-c%20work_mem%3D8MB")},
+			setup: "ALTER DATABASE " + pgx.Identifier{db.Name}.Sanitize() + " SET default_transaction_isolation = 'repeatable read'"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
+			if tt.setup != "" {
+				if _, err := db.Pool.Exec(ctx, tt.setup); err != nil {
+					t.Fatal(err)
+				}
+			}
 			var out, errOut bytes.Buffer
 			env := append([]string{"PATH=" + os.Getenv("PATH")}, tt.env...)
 			if code := run(ctx, nil, env, &out, &errOut); code != 0 {
