@@ -14,6 +14,7 @@ import (
 	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/pgsession"
 	"github.com/deferq/scheduler/migrations"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // RunCommand is `scheduler run`: it parses the command's flags, reads the
@@ -151,5 +152,35 @@ func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 		}
 		return nil, fmt.Errorf("connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
 	}
+	if err := takesWrites(pctx, pool); err != nil {
+		pool.Close()
+		return nil, err
+	}
 	return pool, nil
+}
+
+// takesWrites returns an error when the pool's server takes no writes: a
+// hot standby (DATABASE_URL naming a replica, or a list of servers without
+// target_session_attrs=read-write), or a read-only default. The service
+// would otherwise start, serve /readyz and fail every batch it stores.
+func takesWrites(ctx context.Context, pool *pgxpool.Pool) error {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("connect to the database: %w", err)
+	}
+	defer c.Release()
+	// The server the connection reached, which need not be the URL's
+	// first when it lists several.
+	server := c.Conn().PgConn().Conn().RemoteAddr().String()
+	st, err := queries.SessionState(ctx, c)
+	if err != nil {
+		return fmt.Errorf("read the session's state at %s: %w", server, err)
+	}
+	if st.ReadOnly {
+		return fmt.Errorf("the database at %s takes no writes (transaction_read_only is on: a hot standby, or "+
+			"default_transaction_read_only set for the role, the database or in DATABASE_URL), and the scheduler writes: "+
+			"point DATABASE_URL at the primary, or list every server and add target_session_attrs=read-write "+
+			"(README, \"High availability\")", server)
+	}
+	return nil
 }

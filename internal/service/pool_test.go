@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"os/exec"
 	"strings"
 	"testing"
@@ -12,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -76,6 +78,11 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 			name:    "a value the server refuses, through options",
 			query:   "options=-c%20jit%3Dsometimes",
 			wantErr: []string{"refused a session setting in DATABASE_URL (options=-c jit=sometimes)", `parameter "jit" requires a Boolean value`},
+		},
+		{
+			name:    "a read-only default",
+			query:   "options=-c%20default_transaction_read_only%3Don",
+			wantErr: []string{"takes no writes (transaction_read_only is on", "target_session_attrs=read-write"},
 		},
 		{
 			name:    "a setting the server does not know",
@@ -202,5 +209,105 @@ func TestSessionSettingsInPsql(t *testing.T) {
 	var left int
 	if err := db.Pool.QueryRow(context.Background(), "SELECT count(*) FROM deferred_message").Scan(&left); err != nil || left != 0 {
 		t.Errorf("%d messages left (%v), want the one cancelled", left, err)
+	}
+}
+
+// DATABASE_URL may list several servers (README, "High availability"):
+// with target_session_attrs=read-write the service's connections, and
+// psql's with the same URL, go to the one that takes writes, wherever it
+// is in the list. Without it they go to the first, and when that one takes
+// no writes the service refuses to start, naming it. A standby is stood in
+// for here by a server whose sessions are read-only, as a hot standby's
+// are.
+func TestOpenPoolPicksTheServerThatTakesWrites(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	primary := pgtest.NewDB(t)
+	pc, err := pgx.ParseConfig(primary.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	standby, err := pglocal.Start(ctx, pglocal.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = standby.Stop(context.Background()) })
+	sc, err := pgx.Connect(ctx, standby.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The same database name as the primary's: pgx tries the next server
+	// only when a server refuses a session, not when it lacks the database.
+	for _, stmt := range []string{
+		"CREATE DATABASE " + pgx.Identifier{pc.Database}.Sanitize(),
+		"ALTER SYSTEM SET default_transaction_read_only = on",
+		"SELECT pg_reload_conf()",
+	} {
+		if _, err := sc.Exec(ctx, stmt); err != nil {
+			t.Fatalf("%s: %v", stmt, err)
+		}
+	}
+	sc.Close(ctx)
+
+	hosts := fmt.Sprintf("postgres://%s@127.0.0.1:%d,%s:%d/%s?sslmode=disable",
+		pc.User, standby.Port(), pc.Host, pc.Port, url.PathEscape(pc.Database))
+	for _, tt := range []struct {
+		name, query string
+		port        int    // the server psql and the pool's connections reach
+		wantErr     string // openPool's error, if it must fail
+	}{
+		{name: "the standby listed first, read-write asked for", query: "&target_session_attrs=read-write", port: int(pc.Port)},
+		{name: "without it: the first listed, which takes no writes", port: standby.Port(),
+			wantErr: fmt.Sprintf("the database at 127.0.0.1:%d takes no writes (transaction_read_only is on", standby.Port())},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := config.Load(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.DatabaseURL = hosts + tt.query
+
+			// psql, which the runbook runs with the same URL.
+			out, err := exec.CommandContext(ctx, "psql", "-X", "-tA", "-d", cfg.DatabaseURL, "-c", "SELECT inet_server_port()").CombinedOutput()
+			if err != nil || strings.TrimSpace(string(out)) != fmt.Sprint(tt.port) {
+				t.Errorf("psql with %s: %v, printed %q; want port %d", cfg.DatabaseURL, err, out, tt.port)
+			}
+
+			pool, err := openPool(ctx, cfg)
+			if tt.wantErr != "" {
+				if err == nil {
+					pool.Close()
+					t.Fatalf("openPool with %s: no error, want %q", cfg.DatabaseURL, tt.wantErr)
+				}
+				if !strings.Contains(err.Error(), tt.wantErr) || !strings.Contains(err.Error(), "target_session_attrs=read-write") {
+					t.Fatalf("openPool with %s: %v; want an error containing %q and the fix", cfg.DatabaseURL, err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			// Every connection of the pool: hold two.
+			var conns []*pgxpool.Conn
+			for range 2 {
+				c, err := pool.Acquire(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Release()
+				conns = append(conns, c)
+			}
+			for i, c := range conns {
+				var port int
+				var readOnly string
+				if err := c.QueryRow(ctx, "SELECT inet_server_port(), current_setting('transaction_read_only')").Scan(&port, &readOnly); err != nil {
+					t.Fatal(err)
+				}
+				if port != tt.port || readOnly != "off" {
+					t.Errorf("connection %d: on port %d, transaction_read_only %s; want %d, off", i+1, port, readOnly, tt.port)
+				}
+			}
+		})
 	}
 }

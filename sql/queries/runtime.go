@@ -46,6 +46,19 @@ func InstancePrune(ctx context.Context, db DBTX) error {
 	return err
 }
 
+// SessionStateRow is what a session is (session_state.sql).
+type SessionStateRow struct {
+	ReadOnly bool `db:"read_only"` // it takes no writes
+}
+
+func (r *SessionStateRow) dest() []any { return []any{&r.ReadOnly} }
+
+// SessionState reads what the session is, for the service's start-up check
+// (session_state.sql).
+func SessionState(ctx context.Context, db DBTX) (SessionStateRow, error) {
+	return one(ctx, db, sessionStateSQL, nil, (*SessionStateRow).dest)
+}
+
 // DispatchReapLoopsParams are dispatch_reap_loops.sql's parameters.
 type DispatchReapLoopsParams struct {
 	Kind        string        // $1: the loop jobs' kind
