@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -164,23 +165,51 @@ func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
 // target_session_attrs=read-write), or a read-only default. The service
 // would otherwise start, serve /readyz and fail every batch it stores.
 func takesWrites(ctx context.Context, pool *pgxpool.Pool) error {
-	c, err := pool.Acquire(ctx)
+	server, ok, err := writable(ctx, pool)
 	if err != nil {
-		return fmt.Errorf("connect to the database: %w", err)
+		return err
 	}
-	defer c.Release()
-	// The server the connection reached, which need not be the URL's
-	// first when it lists several.
-	server := c.Conn().PgConn().Conn().RemoteAddr().String()
-	st, err := queries.SessionState(ctx, c)
-	if err != nil {
-		return fmt.Errorf("read the session's state at %s: %w", server, err)
-	}
-	if st.ReadOnly {
+	if !ok {
 		return fmt.Errorf("the database at %s takes no writes (transaction_read_only is on: a hot standby, or "+
 			"default_transaction_read_only set for the role, the database or in DATABASE_URL), and the scheduler writes: "+
 			"point DATABASE_URL at the primary, or list every server and add target_session_attrs=read-write "+
 			"(README, \"High availability\")", server)
 	}
 	return nil
+}
+
+// writable reports whether a connection of pool takes writes, and the
+// address of the server it reached, which need not be the URL's first when
+// it lists several.
+func writable(ctx context.Context, pool *pgxpool.Pool) (server string, ok bool, err error) {
+	c, err := pool.Acquire(ctx)
+	if err != nil {
+		return "", false, fmt.Errorf("connect to the database: %w", err)
+	}
+	defer c.Release()
+	server = c.Conn().PgConn().Conn().RemoteAddr().String()
+	st, err := queries.SessionState(ctx, c)
+	if err != nil {
+		return server, false, fmt.Errorf("read the session's state at %s: %w", server, err)
+	}
+	return server, !st.ReadOnly, nil
+}
+
+// reconnectIfReadOnly closes every connection of pool when the server they
+// reach takes no writes any more, and says so: a primary demoted in place
+// (a switchover without a restart) keeps its sessions open and refuses
+// every write on them, and pgx would replace them only at the end of their
+// lifetime (an hour by default). New connections go where DATABASE_URL
+// leads now: the new primary, with a list of servers and
+// target_session_attrs=read-write, or a name the failover moved. Readiness
+// runs it, every METRICS_INTERVAL.
+func reconnectIfReadOnly(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) error {
+	server, ok, err := writable(ctx, pool)
+	if err != nil || ok {
+		return err
+	}
+	pool.Reset()
+	logger.Warn("the database takes no writes any more (a primary demoted in place?): closed every connection, to reconnect through DATABASE_URL",
+		"server", server)
+	return fmt.Errorf("the database at %s takes no writes; reconnecting through DATABASE_URL", server)
 }

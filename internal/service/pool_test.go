@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/url"
 	"os/exec"
 	"strings"
@@ -309,5 +310,94 @@ func TestOpenPoolPicksTheServerThatTakesWrites(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A primary demoted in place, a switchover without a restart, keeps the
+// service's sessions open and refuses every write on them. Readiness finds
+// that, closes every connection and reports it; the next connections go
+// where DATABASE_URL leads now, here the other server of its list, which
+// was promoted meanwhile. Two throwaway clusters stand in for the pair:
+// each turned read-only or back by a reload, as a demotion or promotion
+// changes what a running session may do.
+func TestReconnectWhenThePrimaryTurnsReadOnly(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var servers [2]*pglocal.Cluster
+	for i := range servers {
+		c, err := pglocal.Start(ctx, pglocal.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Stop(context.Background()) })
+		servers[i] = c
+	}
+	readOnly := func(c *pglocal.Cluster, on bool) {
+		t.Helper()
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		for _, stmt := range []string{fmt.Sprintf("ALTER SYSTEM SET default_transaction_read_only = %v", on), "SELECT pg_reload_conf()"} {
+			if _, err := conn.Exec(ctx, stmt); err != nil {
+				t.Fatalf("%s: %v", stmt, err)
+			}
+		}
+	}
+	first, second := servers[0], servers[1]
+	readOnly(second, true)
+
+	cfg, err := config.Load(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.DatabaseURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write",
+		first.Port(), second.Port())
+	pool, err := openPool(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	logs := &strings.Builder{}
+	logger := slog.New(slog.NewTextHandler(logs, nil))
+	port := func() int {
+		t.Helper()
+		var p int
+		if err := pool.QueryRow(ctx, "SELECT inet_server_port()").Scan(&p); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	if got := port(); got != first.Port() {
+		t.Fatalf("connected to port %d, want the first server's, %d", got, first.Port())
+	}
+	if err := reconnectIfReadOnly(ctx, pool, logger); err != nil {
+		t.Fatalf("with the primary taking writes: %v", err)
+	}
+
+	// The switchover: the first server is demoted in place, the second
+	// promoted. The pool's connection to the first stays open and now
+	// refuses writes.
+	readOnly(first, true)
+	readOnly(second, false)
+	if _, err := pool.Exec(ctx, "CREATE TABLE t (id int)"); err == nil || !strings.Contains(err.Error(), "read-only transaction") {
+		t.Fatalf("a write on the demoted primary: %v, want a read-only transaction's refusal", err)
+	}
+	err = reconnectIfReadOnly(ctx, pool, logger)
+	if want := fmt.Sprintf("the database at 127.0.0.1:%d takes no writes; reconnecting through DATABASE_URL", first.Port()); err == nil || err.Error() != want {
+		t.Fatalf("after the switchover: %v, want %q", err, want)
+	}
+	if !strings.Contains(logs.String(), "the database takes no writes any more") {
+		t.Errorf("nothing logged: %q", logs.String())
+	}
+	if got := port(); got != second.Port() {
+		t.Fatalf("after the reconnect, on port %d, want the promoted server's, %d", got, second.Port())
+	}
+	if _, err := pool.Exec(ctx, "CREATE TABLE t (id int)"); err != nil {
+		t.Fatalf("a write after the reconnect: %v", err)
+	}
+	if err := reconnectIfReadOnly(ctx, pool, logger); err != nil {
+		t.Fatalf("on the promoted server: %v", err)
 	}
 }

@@ -531,6 +531,8 @@ func (s *Service) readiness(ctx context.Context) map[string]string {
 	wg.Go(func() {
 		if err := s.pool.Ping(ctx); err != nil {
 			fail("postgres", err.Error())
+		} else if err := reconnectIfReadOnly(ctx, s.pool, s.logger); err != nil {
+			fail("postgres", err.Error())
 		} else if pending, river, err := migrations.Pending(ctx, s.pool); err != nil {
 			fail("migrations", err.Error())
 		} else if len(pending) > 0 || river > 0 {
