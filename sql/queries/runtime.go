@@ -54,7 +54,7 @@ type SessionStateRow struct {
 func (r *SessionStateRow) dest() []any { return []any{&r.ReadOnly} }
 
 // SessionState reads what the session is, for the service's start-up check
-// (session_state.sql).
+// and its readiness (session_state.sql).
 func SessionState(ctx context.Context, db DBTX) (SessionStateRow, error) {
 	return one(ctx, db, sessionStateSQL, nil, (*SessionStateRow).dest)
 }
