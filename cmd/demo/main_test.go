@@ -15,8 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -30,24 +28,22 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 func TestDemo(t *testing.T) {
 	db := pgtest.NewDB(t)
 	tests := []struct {
-		name  string
-		env   []string
-		setup string // run on the given database first
+		name   string
+		env    []string
+		strict bool // the given database's default isolation is repeatable read first
 	}{
 		{name: "throwaway PostgreSQL"},
 		{name: "given DATABASE_URL", env: []string{"DATABASE_URL=" + db.URL}},
 		{name: "given DATABASE_URL with options, repeatable read by default",
-			env:   []string{"DATABASE_URL=" + pgtest.WithQuery(t, db.URL, "options=-c%20jit%3Doff%20-c%20work_mem%3D8MB")},
-			setup: "ALTER DATABASE " + pgx.Identifier{db.Name}.Sanitize() + " SET default_transaction_isolation = 'repeatable read'"},
+			env:    []string{"DATABASE_URL=" + pgtest.WithQuery(t, db.URL, "options=-c%20jit%3Doff%20-c%20work_mem%3D8MB")},
+			strict: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			if tt.setup != "" {
-				if _, err := db.Pool.Exec(ctx, tt.setup); err != nil {
-					t.Fatal(err)
-				}
+			if tt.strict {
+				db.SetDefault(t, "default_transaction_isolation", "repeatable read")
 			}
 			var out, errOut bytes.Buffer
 			env := append([]string{"PATH=" + os.Getenv("PATH")}, tt.env...)

@@ -6,8 +6,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -19,9 +17,7 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 	db := pgtest.NewDB(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if _, err := db.Pool.Exec(ctx, "ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'serializable'"); err != nil {
-		t.Fatal(err)
-	}
+	db.SetDefault(t, "default_transaction_isolation", "serializable")
 
 	pool, err := OpenPool(ctx, pgtest.WithQuery(t, db.URL, "options=-c%20jit%3Doff"))
 	if err != nil {

@@ -138,7 +138,7 @@ func TestEveryHeadWriterNeedsReadCommitted(t *testing.T) {
 	}
 
 	// A database whose default is stricter: a plain statement, no BEGIN.
-	mustExec(t, db.Pool, "ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'")
+	db.SetDefault(t, "default_transaction_isolation", "repeatable read")
 	strict, err := pgx.Connect(ctx, db.URL)
 	if err != nil {
 		t.Fatal(err)

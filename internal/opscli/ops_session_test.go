@@ -8,8 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -24,10 +22,7 @@ import (
 // another level is refused.
 func TestOpsSessionSettings(t *testing.T) {
 	db := pgtest.NewDB(t)
-	if _, err := db.Pool.Exec(t.Context(),
-		"ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
-		t.Fatal(err)
-	}
+	db.SetDefault(t, "default_transaction_isolation", "repeatable read")
 	for _, tt := range []struct {
 		name, query              string // query: added to the URL; empty: none
 		lockTimeout, stmtTimeout string

@@ -225,9 +225,7 @@ func TestReadCommitted(t *testing.T) {
 	db := pgtest.NewDB(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if _, err := db.Pool.Exec(ctx, "ALTER DATABASE "+db.Name+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
-		t.Fatal(err)
-	}
+	db.SetDefault(t, "default_transaction_isolation", "repeatable read")
 	for _, tt := range []struct {
 		name, query string // query: added to the database's URL; empty: none
 		refused     string // in the error; empty: none, and the connection is READ COMMITTED

@@ -269,6 +269,20 @@ func NewDB(tb testing.TB) DB {
 	return DB{Pool: db, URL: u, Name: name}
 }
 
+// SetDefault makes value the database's default of the session setting
+// name (ALTER DATABASE ... SET), as an administrator would: sessions opened
+// after it take it, the pool's open ones keep theirs.
+func (db DB) SetDefault(tb testing.TB, name, value string) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	stmt := "ALTER DATABASE " + pgx.Identifier{db.Name}.Sanitize() + " SET " + pgx.Identifier{name}.Sanitize() +
+		" = '" + strings.ReplaceAll(value, "'", "''") + "'"
+	if _, err := db.Pool.Exec(ctx, stmt); err != nil {
+		tb.Fatalf("pgtest: %s: %v", stmt, err)
+	}
+}
+
 // WithQuery returns the URL connString with query (name=value pairs, as
 // written in a URL) added to its query string. It fails the test when
 // connString is libpq's keyword=value form (a TEST_DATABASE_URL written so):

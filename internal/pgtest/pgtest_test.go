@@ -107,3 +107,22 @@ func tableExists(ctx context.Context, t *testing.T, db DB, table string) bool {
 	}
 	return ok
 }
+
+// A default set on the database reaches the sessions opened after it,
+// quotes in the value included.
+func TestSetDefault(t *testing.T) {
+	db := NewDB(t)
+	db.SetDefault(t, "application_name", "it's a test")
+	conn, err := pgx.Connect(t.Context(), db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(t.Context())
+	var got string
+	if err := conn.QueryRow(t.Context(), "SELECT current_setting('application_name')").Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	if got != "it's a test" {
+		t.Errorf("application_name %q, want the database's default", got)
+	}
+}

@@ -29,10 +29,7 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 // level stops start-up.
 func TestOpenPoolSessionSettings(t *testing.T) {
 	db := pgtest.NewDB(t)
-	if _, err := db.Pool.Exec(context.Background(),
-		"ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
-		t.Fatal(err)
-	}
+	db.SetDefault(t, "default_transaction_isolation", "repeatable read")
 	tests := []struct {
 		name    string
 		query   string            // added to the URL's query string, as written in it
@@ -161,10 +158,7 @@ func TestSessionSettingsInPsql(t *testing.T) {
 	db := pgtest.NewDB(t)
 	// A database whose default isolation is stricter than the head
 	// triggers take: the README's options form gets psql read committed.
-	if _, err := db.Pool.Exec(context.Background(),
-		"ALTER DATABASE "+pgx.Identifier{db.Name}.Sanitize()+" SET default_transaction_isolation = 'repeatable read'"); err != nil {
-		t.Fatal(err)
-	}
+	db.SetDefault(t, "default_transaction_isolation", "repeatable read")
 	for _, tt := range []struct {
 		query, show, want string
 		ok                bool
