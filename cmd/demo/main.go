@@ -31,7 +31,7 @@ import (
 	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/console"
 	"github.com/deferq/scheduler/internal/pglocal"
-	"github.com/deferq/scheduler/internal/pgsession"
+	"github.com/deferq/scheduler/internal/pgconnect"
 	"github.com/deferq/scheduler/internal/service"
 )
 
@@ -173,18 +173,12 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	if err != nil {
 		return err
 	}
-	pc, err := pgxpool.ParseConfig(dbURL)
+	// The demo's own statements (the operator's expedite) change messages,
+	// so its pool is checked as the service's is (README, "Session
+	// settings").
+	pool, err := pgconnect.Open(ctx, dbURL, pgconnect.Options{Source: "DATABASE_URL", AppName: "defer-scheduler-demo"})
 	if err != nil {
-		return fmt.Errorf("the demo's database URL: %w", err)
-	}
-	// The demo's own statements (the operator's expedite) change messages:
-	// read committed, as the service's (README, "Session settings").
-	if err := pgsession.ReadCommitted(pc.ConnConfig.RuntimeParams, "DATABASE_URL"); err != nil {
-		return err
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, pc)
-	if err != nil {
-		return fmt.Errorf("connect to the demo's database: %w", err)
+		return fmt.Errorf("the demo's own connection: %w", err)
 	}
 	defer pool.Close()
 	d.say("migrated the database; scheduler running (TARGET_TOPICS=payments.*)")
@@ -193,7 +187,7 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	if d.consoleAddr != "" {
 		d.say("operator console: http://%s (user demo, password %s)", d.consoleAddr, password)
 	}
-	scenarioErr := d.scenario(ctx, pool, addr)
+	scenarioErr := d.scenario(ctx, pool.Pool, addr)
 	if scenarioErr == nil && d.consoleAddr != "" {
 		d.say("scenario done; the console stays at http://%s until Ctrl-C", d.consoleAddr)
 		select {

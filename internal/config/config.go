@@ -35,14 +35,15 @@ import (
 // in every error about the variable. The README's table lists the same
 // variables with the same defaults (a test checks that).
 type Config struct {
-	DatabaseURL   string        `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate); session settings go in its query string, e.g. ?options=-c%20jit%3Doff"`
-	KafkaBrokers  []string      `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
-	DeferTopic    string        `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
-	ConsumerGroup string        `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
-	TargetTopics  string        `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
-	HTTPAddr      string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz, /metrics and the key-state query POST /v1/key-state"`
-	PprofAddr     string        `env:"PPROF_ADDR" form:"host:port, or empty" help:"serve net/http/pprof's /debug/pprof/ here, for profiling (bind it to localhost); empty: off"`
-	MaxDelay      time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
+	DatabaseURL       string        `env:"DATABASE_URL" form:"PostgreSQL URL, e.g. postgres://user:pass@host:5432/db" help:"the service's database (required for run and migrate); session settings go in its query string, e.g. ?options=-c%20jit%3Doff"`
+	DirectDatabaseURL secret        `env:"DIRECT_DATABASE_URL" form:"PostgreSQL URL, or empty" help:"a connection that reaches PostgreSQL without a pooler in transaction mode, for what needs a session of its own: migrate's lock and LISTEN; empty: DATABASE_URL; never printed"`
+	KafkaBrokers      []string      `env:"KAFKA_BROKERS" envSeparator:"," form:"comma-separated host:port list" help:"Kafka bootstrap brokers (required for run)"`
+	DeferTopic        string        `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
+	ConsumerGroup     string        `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
+	TargetTopics      string        `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
+	HTTPAddr          string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz, /metrics and the key-state query POST /v1/key-state"`
+	PprofAddr         string        `env:"PPROF_ADDR" form:"host:port, or empty" help:"serve net/http/pprof's /debug/pprof/ here, for profiling (bind it to localhost); empty: off"`
+	MaxDelay          time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
 
 	RetryPolicies      string        `env:"RETRY_POLICIES" form:"pattern: policy entries separated by ';', durations at most MAX_DELAY, e.g. payments.*: ladder 30s,5m,30m dlq {target}.dlq; *: exponential 1s x2 cap 1h max 10 (see docs/policies.md)" help:"retry policy per target topic: the delay of records without defer.at or defer.delay, how many retries, whether a parked message holds its key, dead-letter topic; unmatched targets get exponential 30s x2 cap 1h jitter 20% max 10"`
 	NonRetriableErrors string        `env:"NON_RETRIABLE_ERRORS" form:"comma-separated globs over defer.error.class (* any run, ? one character), e.g. *JsonParseException,com.acme.Validation*" help:"error classes parked at ingest without a retry, besides permanent"`
@@ -421,6 +422,16 @@ func (c *Config) ConsoleDB() string {
 		return string(c.ConsoleDatabaseURL)
 	}
 	return c.DatabaseURL
+}
+
+// DirectDB returns the URL of a session of its own (migrate's lock,
+// LISTEN): DIRECT_DATABASE_URL, or DATABASE_URL when that is empty; and
+// the variable it came from, for messages.
+func (c *Config) DirectDB() (url, source string) {
+	if c.DirectDatabaseURL != "" {
+		return string(c.DirectDatabaseURL), "DIRECT_DATABASE_URL"
+	}
+	return c.DatabaseURL, "DATABASE_URL"
 }
 
 // ConsoleKey returns CONSOLE_SESSION_KEY decoded, or nil when it is empty.

@@ -20,7 +20,7 @@ import (
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/keygate"
-	"github.com/deferq/scheduler/internal/pgsession"
+	"github.com/deferq/scheduler/internal/pgconnect"
 )
 
 // FromConfig is the console's Config as the service's configuration sets
@@ -31,34 +31,20 @@ func FromConfig(c *config.Config) Config {
 		TargetAllowed: c.Targets().Allows, TargetTopics: c.TargetTopics, DeferTopic: c.DeferTopic}
 }
 
+// consoleURL names the console's connection string in messages.
+const consoleURL = "CONSOLE_DATABASE_URL or DATABASE_URL"
+
 // OpenPool connects to the console's database (CONSOLE_DATABASE_URL, else
 // DATABASE_URL) with a pool of its own, so that people looking at pages
-// never take the connections ingest and dispatch need.
+// never take the connections ingest and dispatch need. Its sessions are
+// checked as the service's are (internal/pgconnect); its actions write, so
+// it wants a server that takes writes.
 func OpenPool(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
-	pc, err := pgxpool.ParseConfig(dbURL)
+	p, err := pgconnect.Open(ctx, dbURL, pgconnect.Options{Source: consoleURL, AppName: "defer-scheduler-console", MaxConns: 4})
 	if err != nil {
-		return nil, fmt.Errorf("the console's database URL (CONSOLE_DATABASE_URL or DATABASE_URL) is not valid: %w", err)
-	}
-	pc.MaxConns = 4
-	carried := pgsession.Carried(pc.ConnConfig.RuntimeParams)
-	if err := pgsession.ReadCommitted(pc.ConnConfig.RuntimeParams, "CONSOLE_DATABASE_URL or DATABASE_URL"); err != nil {
 		return nil, fmt.Errorf("console: %w", err)
 	}
-	pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler-console"
-	pool, err := pgxpool.NewWithConfig(ctx, pc)
-	if err != nil {
-		return nil, fmt.Errorf("console: connect to the database: %w", err)
-	}
-	pctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	if err := pool.Ping(pctx); err != nil {
-		pool.Close()
-		if rerr := pgsession.Refused(err, "CONSOLE_DATABASE_URL or DATABASE_URL", pc.ConnConfig.Host, pc.ConnConfig.Port, carried); rerr != nil {
-			return nil, fmt.Errorf("console: %w", rerr)
-		}
-		return nil, fmt.Errorf("console: connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
-	}
-	return pool, nil
+	return p.Pool, nil
 }
 
 // Server is a console served on its own address.
@@ -66,6 +52,9 @@ type Server struct {
 	pool     *pgxpool.Pool
 	http     *http.Server
 	listener net.Listener
+	// stopWatch stops the check that the database still takes writes.
+	stopWatch context.CancelFunc
+	watched   chan struct{}
 }
 
 // Start opens the console's pool, listens on addr and serves the console
@@ -89,7 +78,17 @@ func Start(ctx context.Context, c *config.Config, addr string, highWaterMarks fu
 		pool.Close()
 		return nil, fmt.Errorf("CONSOLE_ADDR=%s: %w", addr, err)
 	}
-	s := &Server{pool: pool, listener: l, http: &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second}}
+	s := &Server{pool: pool, listener: l, http: &http.Server{Handler: h, ReadHeaderTimeout: 5 * time.Second},
+		watched: make(chan struct{})}
+	// As the service's readiness does: a primary demoted in place keeps
+	// the pool's sessions, and every action would fail on them until
+	// they aged out.
+	var wctx context.Context
+	wctx, s.stopWatch = context.WithCancel(context.WithoutCancel(ctx))
+	go func() {
+		defer close(s.watched)
+		pgconnect.WatchWritable(wctx, pool, consoleURL, c.MetricsInterval, logger.With("component", "console"))
+	}()
 	go func() {
 		if err := s.http.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
 			logger.Error("console stopped serving", "error", err)
@@ -113,6 +112,8 @@ func (s *Server) Close(timeout time.Duration) {
 	if err := s.http.Shutdown(ctx); err != nil {
 		s.http.Close()
 	}
+	s.stopWatch()
+	<-s.watched
 	s.pool.Close()
 }
 

@@ -24,7 +24,9 @@ import (
 
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/operate"
+	"github.com/deferq/scheduler/internal/pgconnect"
 	"github.com/deferq/scheduler/internal/pgsession"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // opsConnectTimeout bounds connecting to the database: an operator asking a
@@ -48,6 +50,9 @@ type ops struct {
 	name           string // the subcommand, for messages
 	json           bool
 	stdout, stderr io.Writer
+	// local are the settings each transaction takes (inTx), set by
+	// connect.
+	local queries.SessionLocalParams
 }
 
 // newOps returns the command's state and a flag set with --json defined.
@@ -157,7 +162,8 @@ func (o *ops) printJSON(v any) error {
 }
 
 // connect opens one connection to DATABASE_URL, failing within
-// opsConnectTimeout when the database does not answer.
+// opsConnectTimeout when the database does not answer, and sets o.local,
+// the settings each of its transactions takes (inTx).
 func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) {
 	// Only DATABASE_URL: an operator command must not fail over a Kafka
 	// setting it never uses.
@@ -169,32 +175,28 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 	if err != nil {
 		return nil, usageError{fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)}
 	}
-	cc.ConnectTimeout = opsConnectTimeout
-	carried := pgsession.Carried(cc.RuntimeParams)
 	if err := pgsession.ReadCommitted(cc.RuntimeParams, "DATABASE_URL"); err != nil {
 		return nil, usageError{err}
 	}
-	cc.RuntimeParams["application_name"] = "defer-scheduler-" + o.name
 	// A row locked by someone else (a dispatcher finalizing, an open psql
 	// session) must give a clear error, not a hang. These are defaults:
 	// an operator who set one in DATABASE_URL (a cancel of a million rows
-	// may need more than 30s) gets theirs, and a default sent beside it
-	// would win, since the server applies these parameters after options.
+	// may need more than 30s) gets theirs.
+	o.local = queries.SessionLocalParams{}
 	for _, d := range []struct{ name, value string }{{"lock_timeout", "5s"}, {"statement_timeout", "30s"}} {
 		if _, ok := pgsession.Setting(cc.RuntimeParams, d.name); !ok {
-			cc.RuntimeParams[d.name] = d.value
+			o.local.Names = append(o.local.Names, d.name)
+			o.local.Values = append(o.local.Values, d.value)
 		}
 	}
-	cctx, cancel := context.WithTimeout(ctx, opsConnectTimeout)
-	defer cancel()
-	conn, err := pgx.ConnectConfig(cctx, cc)
+	// Reads may go to a standby; a change there fails with the server's
+	// own "read-only transaction".
+	conn, err := pgconnect.Connect(ctx, dbURL, pgconnect.Options{
+		Source: "DATABASE_URL", AppName: "defer-scheduler-" + o.name, Timeout: opsConnectTimeout, AllowReadOnly: true})
 	if err != nil {
-		if rerr := pgsession.Refused(err, "DATABASE_URL", cc.Host, cc.Port, carried); rerr != nil {
-			return nil, rerr
-		}
-		return nil, fmt.Errorf("connect to the database at %s:%d: %w", cc.Host, cc.Port, err)
+		return nil, err
 	}
-	return conn, nil
+	return conn.Conn, nil
 }
 
 // withConn connects and runs f, closing the connection after.
@@ -213,14 +215,23 @@ func (o *ops) withConn(ctx context.Context, environ []string, f func(conn *pgx.C
 	return operate.ExplainNoSchema(ctx, conn, f(conn))
 }
 
-// inTx runs f in a transaction that commits only if f succeeds, so a command
-// that finds a problem halfway changes nothing.
-func inTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, f func(tx pgx.Tx) error) error {
+// inTx runs f in a transaction that commits only if f succeeds, so a
+// command that finds a problem halfway changes nothing. The transaction
+// first takes o.local, the command's timeouts, for itself alone: sent as
+// startup parameters they would be refused by a pooler, and a session's
+// SET would stay behind on a pooler's server session.
+func (o *ops) inTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, f func(tx pgx.Tx) error) error {
 	tx, err := conn.BeginTx(ctx, opts)
 	if err != nil {
 		return fmt.Errorf("begin transaction: %w", err)
 	}
-	if err := f(tx); err != nil {
+	if len(o.local.Names) > 0 {
+		err = queries.SessionLocal(ctx, tx, o.local)
+	}
+	if err == nil {
+		err = f(tx)
+	}
+	if err != nil {
 		_ = tx.Rollback(context.WithoutCancel(ctx)) // the error that matters is f's
 		return err
 	}
@@ -229,6 +240,11 @@ func inTx(ctx context.Context, conn *pgx.Conn, opts pgx.TxOptions, f func(tx pgx
 	}
 	return nil
 }
+
+// readCommitted is the level of the commands' changes, named where each
+// transaction begins: the head triggers need it whatever the server's
+// default (docs/design.md, "Only in READ COMMITTED").
+func readCommitted() pgx.TxOptions { return pgx.TxOptions{IsoLevel: pgx.ReadCommitted} }
 
 // readOnly gives commands that run several statements one consistent
 // snapshot.
@@ -285,8 +301,10 @@ func idList(ids []int64) string {
 func showRunbook[T any](ctx context.Context, o *ops, environ []string, file string, vars map[string]string,
 	empty string, print func(io.Writer, []T)) (rows []T, code int, done bool) {
 	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		rows, err = operate.Rows[T](ctx, conn, file, vars)
-		return err
+		return o.inTx(ctx, conn, readCommitted(), func(tx pgx.Tx) (err error) {
+			rows, err = operate.Rows[T](ctx, tx, file, vars)
+			return err
+		})
 	})
 	switch {
 	case err != nil:

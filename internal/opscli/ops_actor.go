@@ -37,7 +37,7 @@ func actorName(environ []string) string {
 // (operate.SetActor) and commits only if f succeeds.
 func (o *ops) change(ctx context.Context, environ []string, f func(tx pgx.Tx) error) error {
 	return o.withConn(ctx, environ, func(conn *pgx.Conn) error {
-		return inTx(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) error {
+		return o.inTx(ctx, conn, readCommitted(), func(tx pgx.Tx) error {
 			if err := operate.SetActor(ctx, tx, actorName(environ)); err != nil {
 				return err
 			}

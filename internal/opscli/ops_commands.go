@@ -51,7 +51,7 @@ func cmdStatus(ctx context.Context, args, environ []string, stdout, stderr io.Wr
 	}
 	var s statusReport
 	err := o.withConn(ctx, environ, func(conn *pgx.Conn) error {
-		return inTx(ctx, conn, readOnly(), func(tx pgx.Tx) (err error) {
+		return o.inTx(ctx, conn, readOnly(), func(tx pgx.Tx) (err error) {
 			s, err = readStatus(ctx, tx)
 			return err
 		})
@@ -306,7 +306,7 @@ func cmdShow(ctx context.Context, args, environ []string, stdout, stderr io.Writ
 	}
 	var st story
 	err = o.withConn(ctx, environ, func(conn *pgx.Conn) error {
-		return inTx(ctx, conn, readOnly(), func(tx pgx.Tx) (err error) {
+		return o.inTx(ctx, conn, readOnly(), func(tx pgx.Tx) (err error) {
 			st, err = readStory(ctx, tx, ids[0])
 			return err
 		})

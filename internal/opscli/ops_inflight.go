@@ -113,13 +113,15 @@ func cmdRelease(ctx context.Context, args, environ []string, stdout, stderr io.W
 	if *key != "" {
 		rep.Key = key
 	}
-	err := o.withConn(ctx, environ, func(conn *pgx.Conn) (err error) {
-		if *dryRun {
-			rep.Keys, err = operate.Rows[operate.InflightRow](ctx, conn, "inflight.sql", map[string]string{"group": *group, "key": *key, "limit": ""})
-		} else {
-			rep.Keys, err = operate.Rows[operate.InflightRow](ctx, conn, "release_inflight.sql", map[string]string{"group": *group, "key": *key})
-		}
-		return err
+	err := o.withConn(ctx, environ, func(conn *pgx.Conn) error {
+		return o.inTx(ctx, conn, readCommitted(), func(tx pgx.Tx) (err error) {
+			if *dryRun {
+				rep.Keys, err = operate.Rows[operate.InflightRow](ctx, tx, "inflight.sql", map[string]string{"group": *group, "key": *key, "limit": ""})
+			} else {
+				rep.Keys, err = operate.Rows[operate.InflightRow](ctx, tx, "release_inflight.sql", map[string]string{"group": *group, "key": *key})
+			}
+			return err
+		})
 	})
 	if err != nil {
 		return o.exit(err)

@@ -327,7 +327,11 @@ func quoteIfNeeded(s string) string {
 
 // replay previews, asks if need be, and replays.
 func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt replayOptions, stdin io.Reader) error {
-	cands, err := operate.Rows[operate.ReplayCandidate](ctx, conn, "replay_preview.sql", f.vars())
+	var cands []operate.ReplayCandidate
+	err := o.inTx(ctx, conn, readCommitted(), func(tx pgx.Tx) (err error) {
+		cands, err = operate.Rows[operate.ReplayCandidate](ctx, tx, "replay_preview.sql", f.vars())
+		return err
+	})
 	if err != nil {
 		return err
 	}
@@ -394,7 +398,7 @@ func (o *ops) replay(ctx context.Context, conn *pgx.Conn, f replayFilter, opt re
 	}
 	vars["reset_attempts"] = strconv.FormatBool(opt.resetAttempts)
 	var moved []operate.ReplayedMessage
-	err = inTx(ctx, conn, pgx.TxOptions{}, func(tx pgx.Tx) (err error) {
+	err = o.inTx(ctx, conn, readCommitted(), func(tx pgx.Tx) (err error) {
 		if err = operate.SetActor(ctx, tx, opt.actor); err != nil {
 			return err
 		}

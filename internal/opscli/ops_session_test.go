@@ -8,14 +8,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
-// An operator command's connection times out locks and statements by
-// default, and takes the timeouts DATABASE_URL sets instead, in either form
-// (README, "Session settings"): the server applies a parameter of the
-// startup message after options, so a default sent beside an operator's
-// options would silently win.
+// An operator command's transactions time out locks and statements by
+// default, and take the timeouts DATABASE_URL sets instead, in either form
+// (README, "Session settings"). The defaults are set in each transaction,
+// for it alone: as startup parameters a pooler would refuse them.
 //
 // Its transactions are READ COMMITTED, which the head triggers need, over
 // the database's default of REPEATABLE READ here; a URL that asks for
@@ -46,11 +47,24 @@ func TestOpsSessionSettings(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer conn.Close(ctx)
+			// What a command's transaction has, as every command's
+			// statements run in one.
 			var lock, stmt, app, level string
-			if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "+
-				"current_setting('application_name'), current_setting('transaction_isolation')").
-				Scan(&lock, &stmt, &app, &level); err != nil {
+			if err := o.inTx(ctx, conn, readCommitted(), func(tx pgx.Tx) error {
+				return tx.QueryRow(ctx, "SELECT current_setting('lock_timeout'), current_setting('statement_timeout'), "+
+					"current_setting('application_name'), current_setting('transaction_isolation')").
+					Scan(&lock, &stmt, &app, &level)
+			}); err != nil {
 				t.Fatal(err)
+			}
+			// And for that transaction alone: nothing stays on the
+			// session, which behind a pooler is other clients' too.
+			var after string
+			if err := conn.QueryRow(ctx, "SELECT current_setting('lock_timeout')").Scan(&after); err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(tt.query, "lock") && after != "0" {
+				t.Errorf("lock_timeout after the transaction %s, want the server's 0", after)
 			}
 			if level != "read committed" {
 				t.Errorf("transaction_isolation %q, want read committed", level)

@@ -13,8 +13,9 @@
 //
 // Setting reads what a connection string sets, wherever in it, as the
 // server will, so that a program's own defaults (the operator commands'
-// timeouts) yield to the operator's; ReadCommitted gives every connection
-// the isolation level the scheduler's triggers need.
+// timeouts) yield to the operator's; ReadCommitted refuses a connection
+// string that asks for an isolation level the scheduler's triggers cannot
+// work under.
 package pgsession
 
 import (
@@ -128,19 +129,17 @@ func Setting(params map[string]string, name string) (string, bool) {
 	return value, found
 }
 
-// ReadCommitted makes a connection of params (a parsed connection string's
-// RuntimeParams, named by source, e.g. "DATABASE_URL") run its
-// transactions READ COMMITTED, whatever the role's or database's
-// default_transaction_isolation: it sets that parameter, which the server
-// applies over both. The scheduler's statements and triggers read again
-// after taking locks, and see what committed meanwhile only so
-// (docs/design.md section 4). A connection string that asks for another
-// level itself is an error, which names it.
+// ReadCommitted returns an error, which names source (e.g.
+// "DATABASE_URL"), when params (a parsed connection string's
+// RuntimeParams) ask for an isolation level other than READ COMMITTED:
+// the scheduler's statements and triggers read again after taking locks,
+// and see what committed meanwhile only so (docs/design.md section 4).
+// Where params say nothing, the server's default holds, which
+// internal/pgconnect checks on a connection.
 func ReadCommitted(params map[string]string, source string) error {
 	const name = "default_transaction_isolation"
 	v, ok := Setting(params, name)
 	if !ok {
-		params[name] = "read committed"
 		return nil
 	}
 	// The server's names, compared as it does; READ UNCOMMITTED is READ

@@ -218,9 +218,9 @@ func TestSetting(t *testing.T) {
 	}
 }
 
-// ReadCommitted asks for READ COMMITTED over a database's stricter default,
-// keeps a connection string's own READ COMMITTED, and refuses any other
-// level it asks for, naming it.
+// ReadCommitted keeps a connection string's own READ COMMITTED, adds
+// nothing where the string says nothing (internal/pgconnect asks the
+// server), and refuses any other level it asks for, naming it.
 func TestReadCommitted(t *testing.T) {
 	db := pgtest.NewDB(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -230,7 +230,7 @@ func TestReadCommitted(t *testing.T) {
 		name, query string // query: added to the database's URL; empty: none
 		refused     string // in the error; empty: none, and the connection is READ COMMITTED
 	}{
-		{"nothing: the database's default is overridden", "", ""},
+		{"nothing", "", ""},
 		{"read committed of its own", "default_transaction_isolation=read%20committed", ""},
 		{"READ COMMITTED in options", "options=" + escape(`-c default_transaction_isolation=READ\ COMMITTED`), ""},
 		{"read uncommitted", "default_transaction_isolation=read%20uncommitted", ""},
@@ -257,6 +257,12 @@ func TestReadCommitted(t *testing.T) {
 			}
 			if err != nil {
 				t.Fatalf("ReadCommitted = %v", err)
+			}
+			if tt.query == "" {
+				if len(cc.RuntimeParams) != 0 {
+					t.Fatalf("ReadCommitted added %v to a string that set nothing", cc.RuntimeParams)
+				}
+				return
 			}
 			conn, err := pgx.ConnectConfig(ctx, cc)
 			if err != nil {

@@ -13,9 +13,8 @@ import (
 
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
-	"github.com/deferq/scheduler/internal/pgsession"
+	"github.com/deferq/scheduler/internal/pgconnect"
 	"github.com/deferq/scheduler/migrations"
-	"github.com/deferq/scheduler/sql/queries"
 )
 
 // RunCommand is `scheduler run`: it parses the command's flags, reads the
@@ -75,15 +74,17 @@ func MigrateCommand(ctx context.Context, args, environ []string, stdout, stderr 
 		fmt.Fprint(w, `Usage: scheduler migrate
 
 Applies River's migrations (through rivermigrate) and the service's own
-(embedded from migrations/) to DATABASE_URL. Idempotent, and safe when several
-replicas run it at once: they wait on an advisory lock. Refuses a database
-whose schema is newer than this binary.
+(embedded from migrations/) to DIRECT_DATABASE_URL, else DATABASE_URL.
+Idempotent, and safe when several replicas run it at once: they wait on a
+session-level advisory lock, so it refuses a URL that leads through a pooler
+in transaction mode. Refuses a database whose schema is newer than this
+binary.
 `)
 	}); done {
 		return code
 	}
 	cfg, err := config.Load(environ)
-	if cfg.DatabaseURL == "" {
+	if url, _ := cfg.DirectDB(); url == "" {
 		err = errors.Join(err, errors.New("DATABASE_URL is not set: want a PostgreSQL URL, e.g. postgres://user:pass@host:5432/db"))
 	}
 	if err != nil {
@@ -91,13 +92,7 @@ whose schema is newer than this binary.
 		return 2
 	}
 	logger := cfg.Logger(stderr)
-	pool, err := openPool(ctx, cfg)
-	if err != nil {
-		fmt.Fprintf(stderr, "scheduler migrate: %v\n", err)
-		return 1
-	}
-	defer pool.Close()
-	res, err := migrations.Apply(ctx, pool, logger)
+	res, err := migrate(ctx, cfg, nil, logger)
 	if err != nil {
 		fmt.Fprintf(stderr, "scheduler migrate: %v\n", err)
 		return 1
@@ -109,107 +104,59 @@ whose schema is newer than this binary.
 	return 0
 }
 
-// pingTimeout bounds openPool's first exchange with the database.
+// pingTimeout bounds connecting to the database and the start-up checks.
 const pingTimeout = 10 * time.Second
 
-// openPool connects to DATABASE_URL, failing fast with a clear message when
-// the database does not answer.
+// openPool connects to DATABASE_URL and checks its sessions
+// (internal/pgconnect): READ COMMITTED, triggers firing, writes taken.
 //
 // Parameters of the URL's query string that pgx does not know itself (jit,
 // work_mem, options, application_name, ...) are session settings of every
-// connection (see internal/pgsession); a refused one is reported by the
-// first ping. application_name is "defer-scheduler" unless the URL names one,
-// so that replicas can be told apart in pg_stat_activity.
-func openPool(ctx context.Context, cfg config.Config) (*pgxpool.Pool, error) {
-	pc, err := pgxpool.ParseConfig(cfg.DatabaseURL)
-	if err != nil {
-		return nil, fmt.Errorf("DATABASE_URL is not a valid PostgreSQL URL: %w", err)
-	}
-	pc.MaxConns = cfg.DBMaxConns
-	carried := pgsession.Carried(pc.ConnConfig.RuntimeParams)
-	if err := pgsession.ReadCommitted(pc.ConnConfig.RuntimeParams, "DATABASE_URL"); err != nil {
-		return nil, err
-	}
-	if pc.ConnConfig.RuntimeParams["application_name"] == "" {
-		pc.ConnConfig.RuntimeParams["application_name"] = "defer-scheduler"
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, pc)
-	if err != nil {
-		return nil, fmt.Errorf("connect to the database: %w", err)
-	}
-	pctx, cancel := context.WithTimeout(ctx, pingTimeout)
-	defer cancel()
-	if err := pool.Ping(pctx); err != nil {
-		pool.Close()
-		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-			// Something accepted the connection (or swallowed it) and never
-			// answered: a hung server, a wrong port, a firewall. The bare
-			// "context deadline exceeded" names neither server nor wait.
-			return nil, fmt.Errorf("the database at %s:%d did not answer within %v (is DATABASE_URL's host and port a PostgreSQL server that is up?): %w",
-				pc.ConnConfig.Host, pc.ConnConfig.Port, pingTimeout, err)
+// connection (see internal/pgsession); a refused one is reported at once.
+// application_name is "defer-scheduler" unless the URL names one, so that
+// replicas can be told apart in pg_stat_activity.
+func openPool(ctx context.Context, cfg config.Config) (*pgconnect.Pool, error) {
+	return pgconnect.Open(ctx, cfg.DatabaseURL, pgconnect.Options{
+		Source: "DATABASE_URL", AppName: "defer-scheduler", MaxConns: int32(cfg.DBMaxConns), Timeout: pingTimeout})
+}
+
+// sessionPool returns a pool whose connections are sessions of their own,
+// for what needs one (need: migrate's session lock, LISTEN): on
+// DIRECT_DATABASE_URL when it is set, else main, the pool on DATABASE_URL
+// (opened here when nil). A pool through a pooler in transaction mode is
+// refused; fix says what else the operator may do. release closes the
+// pool unless it is main's.
+func sessionPool(ctx context.Context, cfg config.Config, main *pgconnect.Pool, need, fix string) (pool *pgxpool.Pool, release func(), err error) {
+	url, source := cfg.DirectDB()
+	p := main
+	if p == nil || source != "DATABASE_URL" {
+		if p, err = pgconnect.Open(ctx, url, pgconnect.Options{
+			Source: source, AppName: "defer-scheduler", MaxConns: 2, Timeout: pingTimeout}); err != nil {
+			return nil, nil, err
 		}
-		if rerr := pgsession.Refused(err, "DATABASE_URL", pc.ConnConfig.Host, pc.ConnConfig.Port, carried); rerr != nil {
-			return nil, rerr
+	}
+	release = func() {
+		if p != main {
+			p.Close()
 		}
-		return nil, fmt.Errorf("connect to the database at %s:%d: %w", pc.ConnConfig.Host, pc.ConnConfig.Port, err)
 	}
-	if err := takesWrites(pctx, pool); err != nil {
-		pool.Close()
-		return nil, err
+	if p.TransactionPooled {
+		release()
+		return nil, nil, fmt.Errorf("%s reaches PostgreSQL through a pooler in transaction mode (two transactions of one connection ran on "+
+			"different server sessions), and %s needs a session of its own: set DIRECT_DATABASE_URL to a URL that reaches "+
+			"PostgreSQL directly or through a pooler in session mode%s (README, \"Connection poolers\")", source, need, fix)
 	}
-	return pool, nil
+	return p.Pool, release, nil
 }
 
-// takesWrites returns an error when the pool's server takes no writes: a
-// hot standby (DATABASE_URL naming a replica, or a list of servers without
-// target_session_attrs=read-write), or a read-only default. The service
-// would otherwise start, serve /readyz and fail every batch it stores.
-func takesWrites(ctx context.Context, pool *pgxpool.Pool) error {
-	server, ok, err := writable(ctx, pool)
+// migrate applies pending migrations on a session of its own (main, the
+// service's pool, may be nil): they wait on each other with a
+// session-level advisory lock.
+func migrate(ctx context.Context, cfg config.Config, main *pgconnect.Pool, logger *slog.Logger) (migrations.Result, error) {
+	pool, release, err := sessionPool(ctx, cfg, main, "migrate (it holds a session-level advisory lock)", "")
 	if err != nil {
-		return err
+		return migrations.Result{}, err
 	}
-	if !ok {
-		return fmt.Errorf("the database at %s takes no writes (transaction_read_only is on: a hot standby, or "+
-			"default_transaction_read_only set for the role, the database or in DATABASE_URL), and the scheduler writes: "+
-			"point DATABASE_URL at the primary, or list every server and add target_session_attrs=read-write "+
-			"(README, \"High availability\")", server)
-	}
-	return nil
-}
-
-// writable reports whether a connection of pool takes writes, and the
-// address of the server it reached, which need not be the URL's first when
-// it lists several.
-func writable(ctx context.Context, pool *pgxpool.Pool) (server string, ok bool, err error) {
-	c, err := pool.Acquire(ctx)
-	if err != nil {
-		return "", false, fmt.Errorf("connect to the database: %w", err)
-	}
-	defer c.Release()
-	server = c.Conn().PgConn().Conn().RemoteAddr().String()
-	st, err := queries.SessionState(ctx, c)
-	if err != nil {
-		return server, false, fmt.Errorf("read the session's state at %s: %w", server, err)
-	}
-	return server, !st.ReadOnly, nil
-}
-
-// reconnectIfReadOnly closes every connection of pool when the server they
-// reach takes no writes any more, and says so: a primary demoted in place
-// (a switchover without a restart) keeps its sessions open and refuses
-// every write on them, and pgx would replace them only at the end of their
-// lifetime (an hour by default). New connections go where DATABASE_URL
-// leads now: the new primary, with a list of servers and
-// target_session_attrs=read-write, or a name the failover moved. Readiness
-// runs it, every METRICS_INTERVAL.
-func reconnectIfReadOnly(ctx context.Context, pool *pgxpool.Pool, logger *slog.Logger) error {
-	server, ok, err := writable(ctx, pool)
-	if err != nil || ok {
-		return err
-	}
-	pool.Reset()
-	logger.Warn("the database takes no writes any more (a primary demoted in place?): closed every connection, to reconnect through DATABASE_URL",
-		"server", server)
-	return fmt.Errorf("the database at %s takes no writes; reconnecting through DATABASE_URL", server)
+	defer release()
+	return migrations.Apply(ctx, pool, logger)
 }

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/pgconnect"
 	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
@@ -366,7 +367,7 @@ func TestReconnectWhenThePrimaryTurnsReadOnly(t *testing.T) {
 	if got := port(); got != first.Port() {
 		t.Fatalf("connected to port %d, want the first server's, %d", got, first.Port())
 	}
-	if err := reconnectIfReadOnly(ctx, pool, logger); err != nil {
+	if err := pgconnect.ReconnectIfReadOnly(ctx, pool.Pool, "DATABASE_URL", logger); err != nil {
 		t.Fatalf("with the primary taking writes: %v", err)
 	}
 
@@ -378,7 +379,7 @@ func TestReconnectWhenThePrimaryTurnsReadOnly(t *testing.T) {
 	if _, err := pool.Exec(ctx, "CREATE TABLE t (id int)"); err == nil || !strings.Contains(err.Error(), "read-only transaction") {
 		t.Fatalf("a write on the demoted primary: %v, want a read-only transaction's refusal", err)
 	}
-	err = reconnectIfReadOnly(ctx, pool, logger)
+	err = pgconnect.ReconnectIfReadOnly(ctx, pool.Pool, "DATABASE_URL", logger)
 	if want := fmt.Sprintf("the database at 127.0.0.1:%d takes no writes; reconnecting through DATABASE_URL", first.Port()); err == nil || err.Error() != want {
 		t.Fatalf("after the switchover: %v, want %q", err, want)
 	}
@@ -391,7 +392,7 @@ func TestReconnectWhenThePrimaryTurnsReadOnly(t *testing.T) {
 	if _, err := pool.Exec(ctx, "CREATE TABLE t (id int)"); err != nil {
 		t.Fatalf("a write after the reconnect: %v", err)
 	}
-	if err := reconnectIfReadOnly(ctx, pool, logger); err != nil {
+	if err := pgconnect.ReconnectIfReadOnly(ctx, pool.Pool, "DATABASE_URL", logger); err != nil {
 		t.Fatalf("on the promoted server: %v", err)
 	}
 }

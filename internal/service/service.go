@@ -39,6 +39,7 @@ import (
 	"github.com/deferq/scheduler/internal/keygate"
 	"github.com/deferq/scheduler/internal/keystate"
 	"github.com/deferq/scheduler/internal/metrics"
+	"github.com/deferq/scheduler/internal/pgconnect"
 	"github.com/deferq/scheduler/internal/runner"
 	"github.com/deferq/scheduler/migrations"
 	"github.com/deferq/scheduler/sql/queries"
@@ -58,8 +59,11 @@ type Service struct {
 	ingester *ingest.Ingester
 	runtime  *runner.Runtime
 	waker    *runner.Waker
-	http     *http.Server
-	listener net.Listener
+	// releaseListen closes the waker's pool when it is not pool, the
+	// one on DIRECT_DATABASE_URL; nil without a waker.
+	releaseListen func()
+	http          *http.Server
+	listener      net.Listener
 	// pprof serves net/http/pprof on PPROF_ADDR; nil when it is unset.
 	pprof *http.Server
 	// console serves the operator console on CONSOLE_ADDR; nil when it
@@ -119,12 +123,17 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 			logger.Info("garbage collection", "gogc", pct, "bounded by", "the memory limit (GOGC overrides)")
 		}
 	}
-	if s.pool, err = openPool(ctx, cfg); err != nil {
+	main, err := openPool(ctx, cfg)
+	if err != nil {
 		return nil, err
 	}
+	s.pool = main.Pool
 	s.metrics.WatchPool(s.pool)
+	if main.TransactionPooled {
+		logger.Info("DATABASE_URL reaches PostgreSQL through a pooler in transaction mode: River polls, and statements are not prepared by name unless the URL's default_query_exec_mode says otherwise")
+	}
 	if opts.Migrate {
-		if _, err := migrations.Apply(ctx, s.pool, logger); err != nil {
+		if _, err := migrate(ctx, cfg, main, logger); err != nil {
 			return nil, err
 		}
 	}
@@ -217,7 +226,13 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		return nil, err
 	}
 	if cfg.ListenNotify {
-		s.waker = runner.NewWaker(s.pool, 5*time.Millisecond, logger.With("component", "notify"))
+		listen, release, err := sessionPool(ctx, cfg, main, "LISTEN_NOTIFY=true (it listens for notifications on a session)",
+			", or set LISTEN_NOTIFY=false to poll instead")
+		if err != nil {
+			return nil, err
+		}
+		s.releaseListen = release
+		s.waker = runner.NewWaker(listen, 5*time.Millisecond, logger.With("component", "notify"))
 		// A key-state query that waits for ingest asks every process to
 		// write what it lingers on (docs/design.md section 23.2).
 		s.waker.On(queries.IngestFlushChannel, s.ingester.Flush)
@@ -232,8 +247,9 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 		Lease:               cfg.LeaseDuration,
 		PerKey:              cfg.DispatchKeyBatch,
 		MaintenanceInterval: time.Minute,
-		PollOnly:            !cfg.ListenNotify,
-		HistoryRetention:    cfg.HistoryRetention,
+		// River listens on its own pool, the service's.
+		PollOnly:         !cfg.ListenNotify || main.TransactionPooled,
+		HistoryRetention: cfg.HistoryRetention,
 		Dispatch: dispatch.Config{
 			BatchKeys:       cfg.DispatchBatchKeys,
 			ExpressHeads:    cfg.DispatchExpressHeads,
@@ -433,6 +449,9 @@ func (s *Service) close() {
 			s.logger.Warn("close Kafka admin client", "error", err)
 		}
 	}
+	if s.releaseListen != nil {
+		s.releaseListen()
+	}
 	if s.pool != nil {
 		s.pool.Close()
 	}
@@ -531,7 +550,7 @@ func (s *Service) readiness(ctx context.Context) map[string]string {
 	wg.Go(func() {
 		if err := s.pool.Ping(ctx); err != nil {
 			fail("postgres", err.Error())
-		} else if err := reconnectIfReadOnly(ctx, s.pool, s.logger); err != nil {
+		} else if err := pgconnect.ReconnectIfReadOnly(ctx, s.pool, "DATABASE_URL", s.logger); err != nil {
 			fail("postgres", err.Error())
 		} else if pending, river, err := migrations.Pending(ctx, s.pool); err != nil {
 			fail("migrations", err.Error())

@@ -122,6 +122,8 @@ var (
 	metricsBacklogSQL string
 	//go:embed queue_analyze.sql
 	queueAnalyzeSQL string
+	//go:embed session_local.sql
+	sessionLocalSQL string
 	//go:embed session_state.sql
 	sessionStateSQL string
 	//go:embed target_limited.sql
@@ -170,6 +172,7 @@ func files() map[string]string {
 		"lease_sweep.sql":                leaseSweepSQL,
 		"metrics_backlog.sql":            metricsBacklogSQL,
 		"queue_analyze.sql":              queueAnalyzeSQL,
+		"session_local.sql":              sessionLocalSQL,
 		"session_state.sql":              sessionStateSQL,
 		"target_limited.sql":             targetLimitedSQL,
 		"target_peek_tokens.sql":         targetPeekTokensSQL,
@@ -239,6 +242,7 @@ func Statements() []Statement {
 		st("instance_heartbeat.sql", InstanceHeartbeatParams{}, InstanceHeartbeatRow{}),
 		st("instance_leave.sql", InstanceLeaveParams{}, nil),
 		st("instance_prune.sql", NoParams{}, nil),
+		st("session_local.sql", SessionLocalParams{}, nil),
 		st("session_state.sql", NoParams{}, SessionStateRow{}),
 		st("dispatch_reap_loops.sql", DispatchReapLoopsParams{}, DispatchReapLoopsRow{}),
 		st("history_prune.sql", HistoryPruneParams{}, HistoryPruneRow{}),

@@ -46,15 +46,36 @@ func InstancePrune(ctx context.Context, db DBTX) error {
 	return err
 }
 
-// SessionStateRow is what a session is (session_state.sql).
-type SessionStateRow struct {
-	ReadOnly bool `db:"read_only"` // it takes no writes
+// SessionLocalParams are session_local.sql's parameters: settings, by
+// name and value, for the rest of a transaction.
+type SessionLocalParams struct {
+	Names  []string // $1
+	Values []string // $2
 }
 
-func (r *SessionStateRow) dest() []any { return []any{&r.ReadOnly} }
+func (p SessionLocalParams) args() []any { return []any{p.Names, p.Values} }
 
-// SessionState reads what the session is, for the service's start-up check
-// and its readiness (session_state.sql).
+// SessionLocal makes settings for the rest of the transaction tx
+// (session_local.sql).
+func SessionLocal(ctx context.Context, tx DBTX, p SessionLocalParams) error {
+	_, err := tx.Exec(ctx, sessionLocalSQL, p.args()...)
+	return err
+}
+
+// SessionStateRow is what a session is (session_state.sql).
+type SessionStateRow struct {
+	ReadOnly        bool   `db:"read_only"`        // it takes no writes
+	Isolation       string `db:"isolation"`        // default_transaction_isolation, as SHOW writes it
+	ReplicationRole string `db:"replication_role"` // session_replication_role: origin, replica or local
+	BackendPID      int32  `db:"backend_pid"`      // the server process the statement ran on
+}
+
+func (r *SessionStateRow) dest() []any {
+	return []any{&r.ReadOnly, &r.Isolation, &r.ReplicationRole, &r.BackendPID}
+}
+
+// SessionState reads what the session is, for every program's start-up
+// check and for readiness (session_state.sql).
 func SessionState(ctx context.Context, db DBTX) (SessionStateRow, error) {
 	return one(ctx, db, sessionStateSQL, nil, (*SessionStateRow).dest)
 }

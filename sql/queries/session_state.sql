@@ -1,6 +1,14 @@
--- What a session of the service's is, for its start-up check and its
--- readiness (internal/service: takesWrites, reconnectIfReadOnly): whether
--- it takes writes. A hot standby's sessions do not, nor do those of a role
--- or database whose default_transaction_read_only is on, nor those a
--- primary demoted in place kept open.
-SELECT current_setting('transaction_read_only') = 'on' AS read_only
+-- What a session is, for every program's start-up check and the readiness
+-- of the service and the console (internal/pgconnect): whether it takes
+-- writes (a hot standby's sessions do not, nor do those of a role or
+-- database whose default_transaction_read_only is on, nor those a primary
+-- demoted in place kept open); the isolation level its transactions get
+-- when they name none, which the head triggers need to be READ COMMITTED;
+-- whether triggers fire at all (session_replication_role = replica
+-- switches the head triggers off); and which server process it is on,
+-- which tells a pooler in transaction mode, whose client moves between
+-- server sessions.
+SELECT current_setting('transaction_read_only') = 'on' AS read_only,
+       current_setting('default_transaction_isolation') AS isolation,
+       current_setting('session_replication_role') AS replication_role,
+       pg_backend_pid() AS backend_pid
