@@ -71,7 +71,7 @@ type Config struct {
 	DispatchLoopDuration  time.Duration `env:"DISPATCH_LOOP_DURATION" envDefault:"30s" form:"Go duration >= 1s" help:"how long one River loop job runs before its successor takes over"`
 	LeaseDuration         time.Duration `env:"LEASE_DURATION" envDefault:"90s" form:"Go duration longer than 17 x KAFKA_TIMEOUT + 0.3s (the longest publish)" help:"how long a claim holds its keys; after a crash, its keys wait this long"`
 	PollInterval          time.Duration `env:"POLL_INTERVAL" envDefault:"1s" form:"Go duration, 10ms..5s" help:"longest a dispatch loop sleeps without a due head or a notification"`
-	ListenNotify          bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications; false for PgBouncer transaction mode (poll only)"`
+	ListenNotify          bool          `env:"LISTEN_NOTIFY" envDefault:"true" form:"true or false" help:"wake on Postgres notifications, listening on DIRECT_DATABASE_URL (else DATABASE_URL, which must then not lead through a pooler in transaction mode); false: poll only"`
 	DBMaxConns            int32         `env:"DB_MAX_CONNS" envDefault:"20" form:"integer 4..1000" help:"Postgres connection pool size"`
 
 	KafkaVersion            string        `env:"KAFKA_VERSION" envDefault:"3.6.0" form:"Kafka version, e.g. 3.6.0" help:"protocol version to speak to the brokers"`

@@ -40,7 +40,8 @@ const consoleURL = "CONSOLE_DATABASE_URL or DATABASE_URL"
 // checked as the service's are (internal/pgconnect); its actions write, so
 // it wants a server that takes writes.
 func OpenPool(ctx context.Context, dbURL string) (*pgxpool.Pool, error) {
-	p, err := pgconnect.Open(ctx, dbURL, pgconnect.Options{Source: consoleURL, AppName: "defer-scheduler-console", MaxConns: 4})
+	p, err := pgconnect.Open(ctx, dbURL, pgconnect.Options{
+		Source: consoleURL, AppName: "defer-scheduler-console", AppNameFixed: true, MaxConns: 4})
 	if err != nil {
 		return nil, fmt.Errorf("console: %w", err)
 	}

@@ -2,10 +2,16 @@ package console
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
+	"github.com/deferq/scheduler/internal/config"
+	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -46,5 +52,88 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("OpenPool with jit=sometimes: %v; want an error containing %q", err, want)
 		}
+	}
+}
+
+// A primary demoted in place, a switchover without a restart, keeps the
+// console's sessions open and refuses every action on them. The console
+// finds that as the service's readiness does, closes its connections and
+// reconnects where its URL leads now: here the other server of its list,
+// promoted meanwhile. Two throwaway clusters stand in for the pair, each
+// turned read-only or back by a reload.
+func TestConsoleReconnectsWhenThePrimaryTurnsReadOnly(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var servers [2]*pglocal.Cluster
+	for i := range servers {
+		c, err := pglocal.Start(ctx, pglocal.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = c.Stop(context.Background()) })
+		servers[i] = c
+	}
+	readOnly := func(c *pglocal.Cluster, on bool) {
+		t.Helper()
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		for _, stmt := range []string{fmt.Sprintf("ALTER SYSTEM SET default_transaction_read_only = %v", on), "SELECT pg_reload_conf()"} {
+			if _, err := conn.Exec(ctx, stmt); err != nil {
+				t.Fatalf("%s: %v", stmt, err)
+			}
+		}
+	}
+	first, second := servers[0], servers[1]
+	readOnly(second, true)
+	cfg, err := config.Load([]string{"METRICS_INTERVAL=100ms", fmt.Sprintf(
+		"DATABASE_URL=postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write",
+		first.Port(), second.Port())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Read once the console is closed, and its watch with it.
+	logs := &strings.Builder{}
+	srv, err := Start(ctx, &cfg, "127.0.0.1:0", nil, slog.New(slog.NewTextHandler(logs, nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := false
+	defer func() {
+		if !closed {
+			srv.Close(time.Second)
+		}
+	}()
+	port := func() int {
+		t.Helper()
+		var p int
+		if err := srv.pool.QueryRow(ctx, "SELECT inet_server_port()").Scan(&p); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	if got := port(); got != first.Port() {
+		t.Fatalf("connected to port %d, want the first server's, %d", got, first.Port())
+	}
+
+	readOnly(first, true)
+	readOnly(second, false)
+	deadline := time.Now().Add(time.Minute)
+	for port() != second.Port() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still on port %d a minute after the switchover", first.Port())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if _, err := srv.pool.Exec(ctx, "CREATE TABLE t (id int)"); err != nil {
+		t.Fatalf("a write after the reconnect: %v", err)
+	}
+	srv.Close(time.Second)
+	closed = true
+	if !strings.Contains(logs.String(), "the database takes no writes any more") {
+		t.Errorf("the reconnect was not logged: %q", logs.String())
 	}
 }

@@ -192,7 +192,7 @@ func (o *ops) connect(ctx context.Context, environ []string) (*pgx.Conn, error) 
 	// Reads may go to a standby; a change there fails with the server's
 	// own "read-only transaction".
 	conn, err := pgconnect.Connect(ctx, dbURL, pgconnect.Options{
-		Source: "DATABASE_URL", AppName: "defer-scheduler-" + o.name, Timeout: opsConnectTimeout, AllowReadOnly: true})
+		Source: "DATABASE_URL", AppName: "defer-scheduler-" + o.name, AppNameFixed: true, Timeout: opsConnectTimeout, AllowReadOnly: true})
 	if err != nil {
 		return nil, err
 	}

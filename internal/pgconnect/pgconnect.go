@@ -46,8 +46,9 @@ type Options struct {
 	// "DATABASE_URL", say.
 	Source string
 	// AppName is the sessions' application_name unless the connection
-	// string names one.
-	AppName string
+	// string names one, or always with AppNameFixed.
+	AppName      string
+	AppNameFixed bool
 	// MaxConns bounds a pool; 0 keeps pgx's default.
 	MaxConns int32
 	// Timeout bounds connecting and the checks; 0 means 10 seconds.
@@ -148,7 +149,7 @@ func newChecker(cc *pgx.ConnConfig, connString string, o Options) *checker {
 	// appear in a string that does not set it, but for a password or a
 	// database so named, which then costs only the automatic exec mode.
 	c.urlSetsExecMode = strings.Contains(connString, "default_query_exec_mode")
-	if o.AppName != "" && cc.RuntimeParams["application_name"] == "" {
+	if o.AppName != "" && (o.AppNameFixed || cc.RuntimeParams["application_name"] == "") {
 		cc.RuntimeParams["application_name"] = o.AppName
 	}
 	return c
@@ -182,7 +183,8 @@ func (c *checker) check(ctx context.Context) error {
 					"(its triggers read again after taking locks); the server at %s:%d refused the startup parameter that overrides it, "+
 					"as a connection pooler (PgBouncer, say) does: set the default for the role on the database server, as that role: "+
 					"ALTER ROLE CURRENT_USER SET default_transaction_isolation = 'read committed' "+
-					"(or run that SET in PgBouncer's connect_query for the database): %w",
+					"(or run that SET in PgBouncer's connect_query for the database), then have the pooler open new server connections "+
+					"(PgBouncer: RECONNECT in its admin console): %w",
 					c.o.Source, was, c.cc.Host, c.cc.Port, err)
 			}
 			return err
@@ -270,7 +272,8 @@ func (c *checker) transactionPooled(ctx context.Context, a *pgx.Conn, pid int32)
 func (c *checker) isolationDropped(level string) error {
 	return fmt.Errorf("sessions of %s at %s:%d are %s, and the scheduler needs read committed (its triggers read again after taking locks): "+
 		"the startup parameter default_transaction_isolation did not reach the server (a pooler dropping it: PgBouncer's ignore_startup_parameters?); "+
-		"set the default for the role on the database server, as that role: ALTER ROLE CURRENT_USER SET default_transaction_isolation = 'read committed'",
+		"set the default for the role on the database server, as that role: ALTER ROLE CURRENT_USER SET default_transaction_isolation = 'read committed', "+
+		"then have the pooler open new server connections (PgBouncer: RECONNECT in its admin console)",
 		c.o.Source, c.cc.Host, c.cc.Port, level)
 }
 
