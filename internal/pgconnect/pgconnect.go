@@ -28,6 +28,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"time"
 
@@ -206,7 +207,7 @@ func (c *checker) check(ctx context.Context) error {
 			"point %s at the primary, or list every server and add target_session_attrs=read-write "+
 			"(README, \"High availability\")", addr(a), c.o.Source, c.o.Source)
 	}
-	if c.pooled, err = c.transactionPooled(ctx, a, st.BackendPID); err != nil {
+	if c.pooled, err = c.transactionPooled(ctx, a, st); err != nil {
 		return err
 	}
 	if c.pooled && !c.urlSetsExecMode {
@@ -233,16 +234,26 @@ func (c *checker) probe(ctx context.Context) (*pgx.Conn, queries.SessionStateRow
 	return conn, st, nil
 }
 
+// probeRounds bounds the rounds of transactionPooled's test.
+const probeRounds = 8
+
 // transactionPooled reports whether the connection string leads through
-// a pooler in transaction (or statement) mode: whether a's server
-// session, on which it ran a statement as pid, is not a's alone. A second
-// client opens a transaction: directly or through a pooler in session
-// mode it gets a session of its own and a keeps its; in transaction mode
-// the pooler hands it a's idle server session (PgBouncer reuses the last
-// one freed), or a moves to another. A busy pooler that hands out its
-// sessions round robin can hide itself from this check, not show a
-// direct connection as pooled.
-func (c *checker) transactionPooled(ctx context.Context, a *pgx.Conn, pid int32) (bool, error) {
+// a pooler in transaction (or statement) mode, where a's server session,
+// on which it read st, is not a's alone.
+//
+// A connection whose server sees it at a's own address and port is
+// direct. Otherwise a round of the test: a second client opens a
+// transaction and a asks again. Directly or through a pooler in session
+// mode each keeps a session of its own. In transaction mode the second
+// client is handed a's idle server session (PgBouncer hands out the one
+// freed last), or a is moved to another: either shows. Other clients of a
+// busy pooler can take a's session in between and hide both, so the round
+// is repeated; a direct connection or a session-mode pooler never shows
+// either, so a pooler is never reported where there is none.
+func (c *checker) transactionPooled(ctx context.Context, a *pgx.Conn, st queries.SessionStateRow) (bool, error) {
+	if direct(a, st) {
+		return false, nil
+	}
 	cc := c.cc.Copy()
 	cc.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	b, err := pgx.ConnectConfig(ctx, cc)
@@ -250,23 +261,40 @@ func (c *checker) transactionPooled(ctx context.Context, a *pgx.Conn, pid int32)
 		return false, c.connectError(ctx, err)
 	}
 	defer closeQuietly(b)
-	tx, err := b.Begin(ctx)
-	if err != nil {
-		return false, fmt.Errorf("begin a transaction through %s at %s (a pooler in statement mode refuses transactions, "+
-			"which the scheduler needs: use transaction or session mode): %w", c.o.Source, addr(b), err)
+	pid := st.BackendPID
+	for range probeRounds {
+		tx, err := b.Begin(ctx)
+		if err != nil {
+			return false, fmt.Errorf("begin a transaction through %s at %s (a pooler in statement mode refuses transactions, "+
+				"which the scheduler needs: use transaction or session mode): %w", c.o.Source, addr(b), err)
+		}
+		other, err := queries.SessionState(ctx, tx)
+		// Ended before a asks again: a pooler of one server session would
+		// make a wait for it.
+		_ = tx.Rollback(ctx)
+		if err != nil {
+			return false, fmt.Errorf("read the session's state at %s: %w", addr(b), err)
+		}
+		again, err := queries.SessionState(ctx, a)
+		if err != nil {
+			return false, fmt.Errorf("read the session's state at %s: %w", addr(a), err)
+		}
+		if other.BackendPID == pid || again.BackendPID != pid {
+			return true, nil
+		}
 	}
-	other, err := queries.SessionState(ctx, tx)
-	// Ended before a asks again: a pooler of one server session would
-	// make a wait for it.
-	_ = tx.Rollback(ctx)
-	if err != nil {
-		return false, fmt.Errorf("read the session's state at %s: %w", addr(b), err)
+	return false, nil
+}
+
+// direct reports whether the server sees a at a's own end of the
+// connection: no pooler between them.
+func direct(a *pgx.Conn, st queries.SessionStateRow) bool {
+	local, ok := a.PgConn().Conn().LocalAddr().(*net.TCPAddr)
+	if !ok || st.ClientAddr == nil || st.ClientPort == nil {
+		return false
 	}
-	again, err := queries.SessionState(ctx, a)
-	if err != nil {
-		return false, fmt.Errorf("read the session's state at %s: %w", addr(a), err)
-	}
-	return other.BackendPID == pid || again.BackendPID != pid, nil
+	seen := net.ParseIP(*st.ClientAddr)
+	return seen != nil && seen.Equal(local.IP) && int(*st.ClientPort) == local.Port
 }
 
 func (c *checker) isolationDropped(level string) error {

@@ -64,14 +64,16 @@ func SessionLocal(ctx context.Context, tx DBTX, p SessionLocalParams) error {
 
 // SessionStateRow is what a session is (session_state.sql).
 type SessionStateRow struct {
-	ReadOnly        bool   `db:"read_only"`        // it takes no writes
-	Isolation       string `db:"isolation"`        // default_transaction_isolation, as SHOW writes it
-	ReplicationRole string `db:"replication_role"` // session_replication_role: origin, replica or local
-	BackendPID      int32  `db:"backend_pid"`      // the server process the statement ran on
+	ReadOnly        bool    `db:"read_only"`        // it takes no writes
+	Isolation       string  `db:"isolation"`        // default_transaction_isolation, as SHOW writes it
+	ReplicationRole string  `db:"replication_role"` // session_replication_role: origin, replica or local
+	BackendPID      int32   `db:"backend_pid"`      // the server process the statement ran on
+	ClientAddr      *string `db:"client_addr"`      // the address the server sees the client at; nil over a Unix socket
+	ClientPort      *int32  `db:"client_port"`      // its port
 }
 
 func (r *SessionStateRow) dest() []any {
-	return []any{&r.ReadOnly, &r.Isolation, &r.ReplicationRole, &r.BackendPID}
+	return []any{&r.ReadOnly, &r.Isolation, &r.ReplicationRole, &r.BackendPID, &r.ClientAddr, &r.ClientPort}
 }
 
 // SessionState reads what the session is, for every program's start-up
