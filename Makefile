@@ -10,6 +10,10 @@ LDFLAGS  := -X main.version=$(VERSION)
 # its own (go run fetches it through the module proxy and caches the build).
 STATICCHECK ?= honnef.co/go/tools/cmd/staticcheck@v0.8.2
 
+# The Kubernetes manifests' tests are a module of their own, so that the
+# Kubernetes libraries stay out of go.mod; ./... above does not reach them.
+K8S_DIR := deploy/kubernetes
+
 .PHONY: demo test build run migrate fmt-check vet lint fuzz bench chaos clean
 
 ## demo: run the whole pipeline on a throwaway Postgres and an in-process Kafka broker
@@ -20,8 +24,9 @@ demo:
 	@[ -n "$$DATABASE_URL" ] || scripts/install-postgres.sh
 	$(GO) run ./cmd/demo $(DEMO_FLAGS)
 
-## test: gofmt, go vet, staticcheck, and every test with the race detector (real Postgres, in-process broker, kcat)
+## test: gofmt, go vet, staticcheck, and every test with the race detector (real Postgres, in-process broker, kcat), and the offline checks of the Kubernetes manifests
 test: fmt-check vet lint
+	cd $(K8S_DIR) && $(GO) test -count=1 ./...
 	$(GO) test -race -count=1 -timeout 30m $(PKGS)
 
 ## build: build bin/scheduler
@@ -42,9 +47,11 @@ fmt-check:
 
 vet:
 	$(GO) vet $(PKGS)
+	cd $(K8S_DIR) && $(GO) vet ./...
 
 lint:
 	$(GO) run $(STATICCHECK) $(PKGS)
+	cd $(K8S_DIR) && $(GO) run $(STATICCHECK) ./...
 
 ## fuzz: fuzz the protocol parser, record signing, the policy grammar, the error-class patterns and the configuration, FUZZTIME each (default 1m)
 # go test -fuzz keeps what it generates in its cache and writes a failing
