@@ -30,8 +30,8 @@ import (
 	"github.com/deferq/scheduler/internal/cmdflag"
 	"github.com/deferq/scheduler/internal/config"
 	"github.com/deferq/scheduler/internal/console"
-	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/pgconnect"
+	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/service"
 )
 
