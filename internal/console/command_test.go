@@ -2,16 +2,12 @@ package console
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/deferq/scheduler/internal/config"
-	"github.com/deferq/scheduler/internal/pglocal"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
@@ -59,39 +55,14 @@ func TestOpenPoolSessionSettings(t *testing.T) {
 // console's sessions open and refuses every action on them. The console
 // finds that as the service's readiness does, closes its connections and
 // reconnects where its URL leads now: here the other server of its list,
-// promoted meanwhile. Two throwaway clusters stand in for the pair, each
-// turned read-only or back by a reload.
+// promoted meanwhile (pgtest.Pair).
 func TestConsoleReconnectsWhenThePrimaryTurnsReadOnly(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	var servers [2]*pglocal.Cluster
-	for i := range servers {
-		c, err := pglocal.Start(ctx, pglocal.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = c.Stop(context.Background()) })
-		servers[i] = c
-	}
-	readOnly := func(c *pglocal.Cluster, on bool) {
-		t.Helper()
-		conn, err := pgx.Connect(ctx, c.URL("postgres"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close(ctx)
-		for _, stmt := range []string{fmt.Sprintf("ALTER SYSTEM SET default_transaction_read_only = %v", on), "SELECT pg_reload_conf()"} {
-			if _, err := conn.Exec(ctx, stmt); err != nil {
-				t.Fatalf("%s: %v", stmt, err)
-			}
-		}
-	}
-	first, second := servers[0], servers[1]
-	readOnly(second, true)
-	cfg, err := config.Load([]string{"METRICS_INTERVAL=100ms", fmt.Sprintf(
-		"DATABASE_URL=postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write",
-		first.Port(), second.Port())})
+	pair := pgtest.StartPair(t)
+	first, second := pair.First, pair.Second
+	cfg, err := config.Load([]string{"METRICS_INTERVAL=100ms", "DATABASE_URL=" + pair.URL})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -119,8 +90,7 @@ func TestConsoleReconnectsWhenThePrimaryTurnsReadOnly(t *testing.T) {
 		t.Fatalf("connected to port %d, want the first server's, %d", got, first.Port())
 	}
 
-	readOnly(first, true)
-	readOnly(second, false)
+	pair.Switchover(t)
 	deadline := time.Now().Add(time.Minute)
 	for port() != second.Port() {
 		if time.Now().After(deadline) {

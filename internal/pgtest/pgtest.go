@@ -331,3 +331,58 @@ func randomSuffix() string {
 	rand.Read(b[:]) // cannot fail: since Go 1.24 it crashes the program instead
 	return hex.EncodeToString(b[:])
 }
+
+// Pair is two throwaway clusters standing in for a primary and the
+// standby a switchover promotes: URL lists both with
+// target_session_attrs=read-write, the first takes writes and the second
+// does not. Switchover turns the first read-only and the second writable
+// by a reload, as a demotion in place and a promotion change what open
+// sessions may do.
+type Pair struct {
+	First, Second *pglocal.Cluster
+	URL           string
+}
+
+// StartPair starts a Pair, stopped when the test ends.
+func StartPair(tb testing.TB) *Pair {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var cs [2]*pglocal.Cluster
+	for i := range cs {
+		c, err := pglocal.Start(ctx, pglocal.Options{})
+		if err != nil {
+			tb.Fatalf("pgtest: %v", err)
+		}
+		tb.Cleanup(func() { _ = c.Stop(context.Background()) })
+		cs[i] = c
+	}
+	p := &Pair{First: cs[0], Second: cs[1], URL: fmt.Sprintf(
+		"postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write",
+		cs[0].Port(), cs[1].Port())}
+	setReadOnly(tb, p.Second, true)
+	return p
+}
+
+// Switchover demotes the first server in place and promotes the second.
+func (p *Pair) Switchover(tb testing.TB) {
+	tb.Helper()
+	setReadOnly(tb, p.First, true)
+	setReadOnly(tb, p.Second, false)
+}
+
+func setReadOnly(tb testing.TB, c *pglocal.Cluster, on bool) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := pgx.Connect(ctx, c.URL("postgres"))
+	if err != nil {
+		tb.Fatalf("pgtest: %v", err)
+	}
+	defer conn.Close(ctx)
+	for _, stmt := range []string{fmt.Sprintf("ALTER SYSTEM SET default_transaction_read_only = %v", on), "SELECT pg_reload_conf()"} {
+		if _, err := conn.Exec(ctx, stmt); err != nil {
+			tb.Fatalf("pgtest: %s: %v", stmt, err)
+		}
+	}
+}

@@ -318,37 +318,14 @@ func TestOpenPoolPicksTheServerThatTakesWrites(t *testing.T) {
 func TestReconnectWhenThePrimaryTurnsReadOnly(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	var servers [2]*pglocal.Cluster
-	for i := range servers {
-		c, err := pglocal.Start(ctx, pglocal.Options{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = c.Stop(context.Background()) })
-		servers[i] = c
-	}
-	readOnly := func(c *pglocal.Cluster, on bool) {
-		t.Helper()
-		conn, err := pgx.Connect(ctx, c.URL("postgres"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer conn.Close(ctx)
-		for _, stmt := range []string{fmt.Sprintf("ALTER SYSTEM SET default_transaction_read_only = %v", on), "SELECT pg_reload_conf()"} {
-			if _, err := conn.Exec(ctx, stmt); err != nil {
-				t.Fatalf("%s: %v", stmt, err)
-			}
-		}
-	}
-	first, second := servers[0], servers[1]
-	readOnly(second, true)
+	pair := pgtest.StartPair(t)
+	first, second := pair.First, pair.Second
 
 	cfg, err := config.Load(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cfg.DatabaseURL = fmt.Sprintf("postgres://postgres@127.0.0.1:%d,127.0.0.1:%d/postgres?sslmode=disable&target_session_attrs=read-write",
-		first.Port(), second.Port())
+	cfg.DatabaseURL = pair.URL
 	pool, err := openPool(ctx, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -374,8 +351,7 @@ func TestReconnectWhenThePrimaryTurnsReadOnly(t *testing.T) {
 	// The switchover: the first server is demoted in place, the second
 	// promoted. The pool's connection to the first stays open and now
 	// refuses writes.
-	readOnly(first, true)
-	readOnly(second, false)
+	pair.Switchover(t)
 	if _, err := pool.Exec(ctx, "CREATE TABLE t (id int)"); err == nil || !strings.Contains(err.Error(), "read-only transaction") {
 		t.Fatalf("a write on the demoted primary: %v, want a read-only transaction's refusal", err)
 	}
