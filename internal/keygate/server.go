@@ -179,12 +179,33 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if req.WaitMillis > 0 {
 		wait = time.Duration(req.WaitMillis) * time.Millisecond
 	}
-	if why := s.catchUp(r.Context(), wait); why != "" {
+	why = ""
+	if req.Wait == keystate.WaitPositions {
+		if len(req.Positions) > 0 {
+			deadline := time.Now().Add(wait)
+			why = s.waitStored(r.Context(), wait, deadline, req.Positions, nil)
+		}
+	} else {
+		why = s.catchUp(r.Context(), wait)
+	}
+	if why != "" {
 		s.unsure(w, r, req.Group, why)
 		return
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), queryGrace)
 	defer cancel()
+	// Read before the keys' state, which then covers every record below
+	// these offsets: a client keeps its own deferrals blocked until Stored
+	// covers them.
+	storedRows, err := queries.IngestStored(ctx, s.cfg.DB, queries.IngestStoredParams{Topic: s.cfg.Topic})
+	if err != nil {
+		s.unsure(w, r, req.Group, "database: reading the ingest positions of "+s.cfg.Topic+": "+err.Error())
+		return
+	}
+	stored := make(map[int32]int64, len(storedRows))
+	for _, row := range storedRows {
+		stored[row.Partition] = row.NextOffset
+	}
 	// Each distinct key is asked once; duplicates share its answer.
 	rows, err := queries.KeyState(ctx, s.cfg.DB, queries.KeyStateParams{Group: req.Group, Keys: distinct(req.Keys)})
 	if err != nil {
@@ -195,7 +216,7 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	for _, row := range rows {
 		byKey[row.BusinessKey] = row
 	}
-	resp := keystate.Response{Keys: make([]keystate.State, len(req.Keys))}
+	resp := keystate.Response{Keys: make([]keystate.State, len(req.Keys)), Stored: stored}
 	blocked := 0
 	for i, k := range req.Keys {
 		row, ok := byKey[k]
@@ -302,6 +323,23 @@ func parseRequest(body []byte) (keystate.Request, string) {
 	if req.WaitMillis < 0 || req.WaitMillis > keystate.MaxWaitMillis {
 		return req, fmt.Sprintf("wait_ms is %d; want 0 (the server's default) to %d", req.WaitMillis, keystate.MaxWaitMillis)
 	}
+	switch req.Wait {
+	case "", keystate.WaitAll:
+		if len(req.Positions) > 0 {
+			return req, fmt.Sprintf("positions are given with wait %q; they go with wait %q", req.Wait, keystate.WaitPositions)
+		}
+	case keystate.WaitPositions:
+		if len(req.Positions) > keystate.MaxPositions {
+			return req, fmt.Sprintf("positions holds %d partitions, at most %d", len(req.Positions), keystate.MaxPositions)
+		}
+		for _, part := range slices.Sorted(maps.Keys(req.Positions)) {
+			if off := req.Positions[part]; part < 0 || off < 0 {
+				return req, fmt.Sprintf("positions[%d] is %d: want a partition and an offset of 0 or more", part, off)
+			}
+		}
+	default:
+		return req, fmt.Sprintf("wait is %q; want %q (the default) or %q", req.Wait, keystate.WaitAll, keystate.WaitPositions)
+	}
 	return req, ""
 }
 
@@ -401,6 +439,22 @@ func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 	if err != nil {
 		return "kafka: reading the high-water marks of " + topic + ": " + s.timeout(err, wait)
 	}
+	return s.waitStored(ctx, wait, deadline, marks, func(part int32) (int64, error) {
+		return bounded(kafkaCtx, func() (int64, error) { return offsets.LogStart(topic, part) })
+	})
+}
+
+// waitStored waits until ingest has stored each partition of the defer
+// topic up to marks (the next offset it must read at least), polling until
+// deadline, the end of a wait of wait. It returns why it could not vouch
+// for that, "" once it can. logStart, when marks are high-water marks,
+// reads a partition's log start: a partition with no stored position whose
+// log starts at its mark holds nothing to read. nil: marks are the
+// positions a request waits for. Each poll that finds ingest behind asks
+// every process's ingest to write what it holds.
+func (s *Server) waitStored(ctx context.Context, wait time.Duration, deadline time.Time, marks map[int32]int64,
+	logStart func(part int32) (int64, error)) string {
+	topic := s.cfg.Topic
 	parts := slices.Sorted(maps.Keys(marks))
 	starts := map[int32]int64{}
 	// The polls may outlive the wait by queryGrace: the last one runs at
@@ -424,30 +478,35 @@ func (s *Server) catchUp(ctx context.Context, wait time.Duration) string {
 			if has && next >= mark {
 				continue
 			}
-			var logStart int64
+			var start int64
 			if !has {
 				if mark == 0 {
 					continue // an empty partition
 				}
-				var known bool
-				if logStart, known = starts[part]; !known {
-					logStart, err = bounded(kafkaCtx, func() (int64, error) { return offsets.LogStart(topic, part) })
-					if err != nil {
-						return fmt.Sprintf("kafka: reading the log start of %s/%d: %s", topic, part, s.timeout(err, wait))
+				if logStart != nil {
+					var known bool
+					if start, known = starts[part]; !known {
+						if start, err = logStart(part); err != nil {
+							return fmt.Sprintf("kafka: reading the log start of %s/%d: %s", topic, part, s.timeout(err, wait))
+						}
+						starts[part] = start
 					}
-					starts[part] = logStart
-				}
-				if logStart >= mark {
-					continue // retention deleted all it held: nothing to read
+					if start >= mark {
+						continue // retention deleted all it held: nothing to read
+					}
 				}
 			}
 			behind++
 			switch {
 			case first != "":
+			case has && logStart == nil:
+				first = fmt.Sprintf("ingest has stored %s/%d up to offset %d, the request waits for %d", topic, part, next, mark)
 			case has:
 				first = fmt.Sprintf("ingest has stored %s/%d up to offset %d, the high-water mark is %d", topic, part, next, mark)
+			case logStart == nil:
+				first = fmt.Sprintf("ingest has stored nothing of %s/%d, the request waits for %d", topic, part, mark)
 			default:
-				first = fmt.Sprintf("ingest has stored nothing of %s/%d, which holds offsets %d to %d (high-water mark %d)", topic, part, logStart, mark-1, mark)
+				first = fmt.Sprintf("ingest has stored nothing of %s/%d, which holds offsets %d to %d (high-water mark %d)", topic, part, start, mark-1, mark)
 			}
 		}
 		if behind == 0 {

@@ -286,6 +286,18 @@ func TestRefusals(t *testing.T) {
 			"wait_ms is 10001; want 0 (the server's default) to 10000"},
 		{"wait not an integer", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"wait_ms":1.5}`, 400,
 			"the body is not a key-state request: json: cannot unmarshal number 1.5 into Go struct field Request.wait_ms of type int"},
+		{"an unknown wait", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"wait":"some"}`, 400,
+			`wait is "some"; want "all" (the default) or "positions"`},
+		{"positions without wait positions", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"positions":{"0":5}}`, 400,
+			`positions are given with wait ""; they go with wait "positions"`},
+		{"positions with wait all", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"wait":"all","positions":{"0":5}}`, 400,
+			`positions are given with wait "all"; they go with wait "positions"`},
+		{"a negative offset", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"wait":"positions","positions":{"0":5,"2":-1}}`, 400,
+			"positions[2] is -1: want a partition and an offset of 0 or more"},
+		{"a negative partition", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"wait":"positions","positions":{"-3":5}}`, 400,
+			"positions[-3] is 5: want a partition and an offset of 0 or more"},
+		{"a partition not a number", http.MethodPost, "application/json", `{"group":"g","keys":["a"],"wait":"positions","positions":{"x":5}}`, 400,
+			"the body is not a key-state request: json: cannot unmarshal number x into Go struct field Request.positions of type int32"},
 	}
 	refused := 0.0
 	for _, tt := range tests {
@@ -482,7 +494,7 @@ func TestKeyStates(t *testing.T) {
 	if got.status != 200 {
 		t.Fatalf("got %d %q, want 200", got.status, got.err)
 	}
-	if fmt.Sprint(got.resp) != fmt.Sprint(want) {
+	if fmt.Sprint(got.resp.Keys) != fmt.Sprint(want.Keys) {
 		t.Errorf("answer\n%+v\nwant\n%+v", got.resp, want)
 	}
 	// The other group sees its own keys only.
@@ -492,7 +504,7 @@ func TestKeyStates(t *testing.T) {
 		{Key: "pending", Blocked: true, Reason: keystate.ReasonInFlight},
 		{Key: "in-flight"},
 	}}
-	if got.status != 200 || fmt.Sprint(got.resp) != fmt.Sprint(want) {
+	if got.status != 200 || fmt.Sprint(got.resp.Keys) != fmt.Sprint(want.Keys) {
 		t.Errorf("shipping: got %d %q %+v\nwant %+v", got.status, got.err, got.resp, want)
 	}
 
@@ -601,7 +613,7 @@ func TestWaitsForIngest(t *testing.T) {
 		{Key: "order-1", Blocked: true, Reason: keystate.ReasonPending, HeadSeq: seq, HeadID: id},
 		{Key: "order-2"},
 	}}
-	if got.status != 200 || fmt.Sprint(got.resp) != fmt.Sprint(want) {
+	if got.status != 200 || fmt.Sprint(got.resp.Keys) != fmt.Sprint(want.Keys) {
 		t.Errorf("after ingest caught up: got %d %q %+v\nwant 200 %+v", got.status, got.err, got.resp, want)
 	}
 	if took := time.Since(start); took < 200*time.Millisecond || took > 5*time.Second {
@@ -816,7 +828,7 @@ func TestReadYourWrites(t *testing.T) {
 
 	// Nothing produced: nothing to wait for, every key free.
 	got := signedPost(keystate.Request{Group: "payments", Keys: []string{"order-1"}, WaitMillis: 100})
-	if got.status != 200 || fmt.Sprint(got.resp) != "{[{order-1 false  0 0}]}" {
+	if got.status != 200 || fmt.Sprint(got.resp.Keys) != "[{order-1 false  0 0}]" {
 		t.Fatalf("empty topic: got %d %q %+v", got.status, got.err, got.resp)
 	}
 
@@ -827,9 +839,29 @@ func TestReadYourWrites(t *testing.T) {
 		t.Fatalf("before ingest: got %d %q\nwant 503 %q", got.status, got.err, want)
 	}
 
+	// Asked to wait for nothing, as a consumer does once it had an answer
+	// that waited for all: the answer comes at once, and Stored says it
+	// does not cover the record, which the client that deferred it keeps
+	// blocked itself.
+	got = signedPost(keystate.Request{Group: "payments", Keys: []string{"order-1"}, WaitMillis: 300, Wait: keystate.WaitPositions})
+	if _, covered := got.resp.Stored[1]; got.status != 200 || fmt.Sprint(got.resp.Keys) != "[{order-1 false  0 0}]" || covered {
+		t.Fatalf("waiting for nothing, before ingest: got %d %q %+v, want 200, free, nothing of partition 1 stored", got.status, got.err, got.resp)
+	}
+	// Asked to wait for that record alone: the server cannot vouch.
+	got = signedPost(keystate.Request{Group: "payments", Keys: []string{"order-1"}, WaitMillis: 300,
+		Wait: keystate.WaitPositions, Positions: map[int32]int64{1: 1}})
+	if want := "ingest has stored nothing of scheduler.defer/1, the request waits for 1; not caught up within 300ms"; got.status != 503 || got.err != want {
+		t.Fatalf("waiting for the record, before ingest: got %d %q\nwant 503 %q", got.status, got.err, want)
+	}
+
 	// Ingest runs: the same question, with room to wait, is answered
 	// blocked once the record is stored.
 	startIngest(t, k, db.Pool, 0)
+	got = signedPost(keystate.Request{Group: "payments", Keys: []string{"order-1"}, WaitMillis: 10_000,
+		Wait: keystate.WaitPositions, Positions: map[int32]int64{1: 1}})
+	if got.status != 200 || len(got.resp.Keys) != 1 || !got.resp.Keys[0].Blocked || got.resp.Stored[1] < 1 {
+		t.Fatalf("waiting for the record, after ingest: got %d %q %+v, want 200, blocked, partition 1 stored past offset 0", got.status, got.err, got.resp)
+	}
 	got = signedPost(keystate.Request{Group: "payments", Keys: []string{"order-1", "order-2"}, WaitMillis: 10_000})
 	var id, seq int64
 	if err := db.Pool.QueryRow(context.Background(), "SELECT id, seq FROM deferred_message WHERE business_key = 'order-1'").Scan(&id, &seq); err != nil {
@@ -839,7 +871,7 @@ func TestReadYourWrites(t *testing.T) {
 		{Key: "order-1", Blocked: true, Reason: keystate.ReasonPending, HeadSeq: seq, HeadID: id},
 		{Key: "order-2"},
 	}}
-	if got.status != 200 || fmt.Sprint(got.resp) != fmt.Sprint(want) {
+	if got.status != 200 || fmt.Sprint(got.resp.Keys) != fmt.Sprint(want.Keys) {
 		t.Errorf("after ingest: got %d %q %+v\nwant 200 %+v", got.status, got.err, got.resp, want)
 	}
 

@@ -30,6 +30,8 @@ const (
 	// MaxWaitMillis bounds how long a request may let the server wait for
 	// ingest.
 	MaxWaitMillis = 10_000
+	// MaxPositions bounds Request.Positions: partitions of the defer topic.
+	MaxPositions = 10_000
 )
 
 // Request asks about Keys, for consumer group Group.
@@ -39,7 +41,31 @@ type Request struct {
 	// WaitMillis bounds how long the server waits for ingest to store what
 	// was produced before the request; 0 means the server's default.
 	WaitMillis int `json:"wait_ms,omitempty"`
+	// Wait says what the server waits for before it answers: WaitAll
+	// (also when empty) or WaitPositions.
+	Wait string `json:"wait,omitempty"`
+	// Positions, with WaitPositions, are what ingest must have stored:
+	// per partition of the defer topic, the offset ingest must have read
+	// up to (the next offset it reads at least this). Empty: nothing to
+	// wait for.
+	Positions map[int32]int64 `json:"positions,omitempty"`
 }
+
+// What a request waits for (Request.Wait).
+const (
+	// WaitAll: ingest must have stored every partition of the defer topic
+	// up to its high-water mark when the request came in, so that the
+	// answer reflects every record produced before the question, whoever
+	// produced it. For a consumer that has just been assigned partitions,
+	// whose predecessor may have deferred keys, and for callers that know
+	// nothing of their own deferrals.
+	WaitAll = "all"
+	// WaitPositions: ingest must have stored Positions only. For a
+	// consumer that keeps its own deferrals blocked until an answer's
+	// Stored covers them, and had an answer that waited for all since it
+	// got its partitions (docs/design.md, "Read-your-writes").
+	WaitPositions = "positions"
+)
 
 // Reasons a key is blocked.
 const (
@@ -74,6 +100,11 @@ type State struct {
 // Response answers a Request, in the order of its keys (each once).
 type Response struct {
 	Keys []State `json:"keys"`
+	// Stored is how far ingest had stored each partition of the defer
+	// topic (the next offset it reads) before the keys' state was read:
+	// every record below it is in the answer. A partition ingest never
+	// stored is missing.
+	Stored map[int32]int64 `json:"stored,omitempty"`
 }
 
 // ErrorResponse is the body of every refusal.

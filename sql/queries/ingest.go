@@ -165,6 +165,27 @@ func IngestFlush(ctx context.Context, db DBTX) error {
 	return err
 }
 
+// IngestStoredParams are ingest_stored.sql's parameters.
+type IngestStoredParams struct {
+	Topic string // $1
+}
+
+func (p IngestStoredParams) args() []any { return []any{p.Topic} }
+
+// IngestStoredRow is how far ingest has stored one partition.
+type IngestStoredRow struct {
+	Partition  int32 `db:"partition"`
+	NextOffset int64 `db:"next_offset"`
+}
+
+func (r *IngestStoredRow) dest() []any { return []any{&r.Partition, &r.NextOffset} }
+
+// IngestStored reads how far ingest has stored every partition of a topic
+// (ingest_stored.sql).
+func IngestStored(ctx context.Context, db DBTX, p IngestStoredParams) ([]IngestStoredRow, error) {
+	return collect(ctx, db, ingestStoredSQL, p.args(), (*IngestStoredRow).dest)
+}
+
 // IngestPositionsParams are ingest_positions.sql's parameters.
 type IngestPositionsParams struct {
 	Topic      string  // $1

@@ -98,6 +98,8 @@ var (
 	inflightPartitionsSQL string
 	//go:embed inflight_release.sql
 	inflightReleaseSQL string
+	//go:embed ingest_stored.sql
+	ingestStoredSQL string
 	//go:embed ingest_flush.sql
 	ingestFlushSQL string
 	//go:embed ingest_insert.sql
@@ -161,6 +163,7 @@ func files() map[string]string {
 		"inflight_partitions.sql":        inflightPartitionsSQL,
 		"inflight_release.sql":           inflightReleaseSQL,
 		"ingest_flush.sql":               ingestFlushSQL,
+		"ingest_stored.sql":              ingestStoredSQL,
 		"ingest_insert.sql":              ingestInsertSQL,
 		"ingest_position_set.sql":        ingestPositionSetSQL,
 		"ingest_prepare.sql":             ingestPrepareSQL,
@@ -212,6 +215,7 @@ func Statements() []Statement {
 	}
 	return []Statement{
 		st("ingest_flush.sql", IngestFlushParams{}, nil),
+		st("ingest_stored.sql", IngestStoredParams{}, IngestStoredRow{}),
 		st("ingest_insert.sql", IngestInsertParams{}, IngestInsertRow{}),
 		st("ingest_positions.sql", IngestPositionsParams{}, IngestPositionsRow{}),
 		st("ingest_position_set.sql", IngestPositionSetParams{}, IngestPositionSetRow{}),
