@@ -103,6 +103,10 @@ type Client struct {
 	http     *http.Client
 	// next rotates the scheduler URL a query starts with.
 	next atomic.Uint32
+	// waitAllOnly: a scheduler refused a question that waits for less
+	// than the whole topic (a release before the wait field); every
+	// question waits for all from then on.
+	waitAllOnly atomic.Bool
 
 	// pending remembers the keys this process deferred until the scheduler
 	// confirms them (see KeyStates).
@@ -120,6 +124,10 @@ type localDeferral struct {
 	// seq is the deferred record's defer.seq (a re-deferral keeps its
 	// place); 0 for a new message, which lands behind everything.
 	seq int64
+	// partition and offset are where the key's latest deferral went in
+	// the defer topic: an answer whose Stored passes offset covers it.
+	partition int32
+	offset    int64
 }
 
 // New returns a Client connected to cfg.Brokers.
@@ -278,7 +286,8 @@ func (c *Client) sendAll(os []outgoing) error {
 // sent notes a deferral the broker acknowledged.
 func (c *Client) sent(o outgoing) {
 	if o.key != "" {
-		c.remember(o.key, o.seq)
+		// The producer set where the record went.
+		c.remember(o.key, o.seq, o.out.Partition, o.out.Offset)
 	}
 	c.count(func(s *Stats) {
 		if o.gated {

@@ -89,6 +89,13 @@ func (g *groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 // ConsumeClaim implements sarama.ConsumerGroupHandler.
 func (g *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	ctx := sess.Context()
+	// Until a question that waited for the whole defer topic was answered
+	// in this claim, the deferrals of the partition's previous owner may
+	// be on their way to the scheduler: each question waits for them.
+	// After, only this process's own deferrals can be missing from an
+	// answer, and it keeps those blocked itself until an answer covers
+	// them: a question waits for nothing.
+	waited := false
 	for {
 		var first *sarama.ConsumerMessage
 		select {
@@ -113,7 +120,7 @@ func (g *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 				break fill
 			}
 		}
-		if err := g.handle(ctx, sess, batch); err != nil {
+		if err := g.handle(ctx, sess, batch, &waited); err != nil {
 			return err
 		}
 	}
@@ -127,7 +134,7 @@ func (g *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 // produced at once, after what is queued, so produce order is record
 // order. Records are marked only once everything up to them is handled or
 // durably deferred.
-func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSession, batch []*sarama.ConsumerMessage) error {
+func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSession, batch []*sarama.ConsumerMessage, waited *bool) error {
 	keys := make([]string, len(batch))
 	for i, m := range batch {
 		keys[i] = g.cfg.BusinessKey(m)
@@ -136,7 +143,9 @@ func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSess
 	// scheduler, which keeps their order, rather than to the handler.
 	states := map[string]KeyState{}
 	if !g.cfg.NoGate {
-		states, _ = g.c.KeyStates(ctx, keys)
+		var err error
+		states, err = g.c.keyStates(ctx, keys, !*waited)
+		*waited = *waited || err == nil
 	}
 	var queued []outgoing
 	var done []*sarama.ConsumerMessage // handled or deferred, not marked yet
