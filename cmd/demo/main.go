@@ -144,13 +144,13 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 		d.say("using DATABASE_URL, in a schema of the demo's own")
 	}
 
-	broker, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "scheduler.defer", demoTarget))
+	broker, err := kfake.NewCluster(kfake.NumBrokers(1), kfake.SeedTopics(3, "scheduler.defer", demoTarget, gateMain, gateRetry))
 	if err != nil {
 		return fmt.Errorf("start in-process Kafka broker: %w", err)
 	}
 	defer broker.Close()
 	addr := broker.ListenAddrs()[0]
-	d.say("in-process Kafka broker on %s with topics scheduler.defer and %s", addr, demoTarget)
+	d.say("in-process Kafka broker on %s with topics scheduler.defer, %s, %s and %s", addr, demoTarget, gateMain, gateRetry)
 
 	consoleEnv, password, err := d.consoleEnv()
 	if err != nil {
@@ -159,7 +159,7 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 	cfg, err := config.Load(append(append(environ,
 		"DATABASE_URL="+dbURL, "KAFKA_BROKERS="+addr, "TARGET_TOPICS=payments.*",
 		"HTTP_ADDR=127.0.0.1:0", "CONSUMER_GROUP=demo-scheduler", "POLL_INTERVAL=200ms",
-		"DISPATCH_LOOPS=2", "DISPATCH_WORKERS=2"), consoleEnv...))
+		"DISPATCH_LOOPS=2", "DISPATCH_WORKERS=2", "RETRY_POLICIES="+gatePolicy), consoleEnv...))
 	if err != nil {
 		return err
 	}
@@ -188,6 +188,9 @@ func (d *demo) run(ctx context.Context, environ []string, verbose bool, stderr i
 		d.say("operator console: http://%s (user demo, password %s)", d.consoleAddr, password)
 	}
 	scenarioErr := d.scenario(ctx, pool.Pool, addr)
+	if scenarioErr == nil {
+		scenarioErr = d.gateScenario(ctx, addr, svc.HTTPAddr())
+	}
 	if scenarioErr == nil && d.consoleAddr != "" {
 		d.say("scenario done; the console stays at http://%s until Ctrl-C", d.consoleAddr)
 		select {

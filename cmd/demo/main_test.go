@@ -52,7 +52,10 @@ func TestDemo(t *testing.T) {
 			}
 			for _, want := range []string{
 				"demo-42 #1", "demo-42 #3", "UPDATE deferred_message SET next_run_at = now()",
-				"missing_target: defer.target is absent", "scheduler stopped cleanly",
+				"missing_target: defer.target is absent",
+				"consumer: charge failed", "consumer: refund not handled: order-99 is blocked by the charge",
+				"the refund, which arrived while the charge waited, was handled only after the charge succeeded",
+				"scheduler stopped cleanly",
 			} {
 				if !strings.Contains(out.String(), want) {
 					t.Fatalf("demo output lacks %q:\n%s", want, out.String())

@@ -268,6 +268,10 @@ func New(ctx context.Context, cfg config.Config, logger *slog.Logger, opts Optio
 	return s, nil
 }
 
+// HTTPAddr is where the service serves HTTP_ADDR's endpoints (the port
+// chosen when HTTP_ADDR asked for any).
+func (s *Service) HTTPAddr() string { return s.listener.Addr().String() }
+
 // memoryLimit returns the soft memory limit the service sets for Go's
 // garbage collector, and false when GOMEMLIMIT (gomemlimit) is set: the
 // runtime has read it, and the operator's word stands.
