@@ -164,7 +164,7 @@ func (b *bench) runGate(ctx context.Context) (res gateResult, err error) {
 	}
 	defer svc.Kill() // after Stop, it does nothing
 	withLogs := func(err error) error { return fmt.Errorf("%w; scheduler's last output:\n%s", err, svc.Logs()) }
-	g := gateEnv{b: b, addr: addr, url: "http://" + svc.HTTPAddr, pid: svc.Pid()}
+	g := gateEnv{b: b, addr: addr, url: "http://" + svc.HTTPAddr, pid: svc.Pid(), db: db.name}
 
 	// 1. What the gate costs the consumer.
 	b.say("  consuming %d records: gate off", res.n)
@@ -234,6 +234,7 @@ type gateEnv struct {
 	addr string // the broker
 	url  string // the scheduler's HTTP_ADDR
 	pid  int    // the scheduler's process
+	db   string // the scheduler's database, whose statements a run samples
 }
 
 // client returns a deferclient.Client for group.
@@ -271,6 +272,10 @@ func (g gateEnv) consume(ctx context.Context, group string, noGate bool, n int, 
 	}, deferclient.HandlerConfig{NoGate: noGate, MaxBatch: batch})}
 
 	cpu0 := g.b.cpu(g.pid)
+	stmts0, err := g.b.pg.statements(ctx, g.db)
+	if err != nil {
+		return run, err
+	}
 	stop, err := consumeGroup(ctx, g.addr, group, topicMain, h, batch)
 	if err != nil {
 		return run, err
@@ -295,12 +300,16 @@ func (g gateEnv) consume(ctx context.Context, group string, noGate bool, n int, 
 		}
 	}
 	cpu := g.b.cpu(g.pid).sub(cpu0)
+	stmts1, err := g.b.pg.statements(ctx, g.db)
+	if err != nil {
+		return run, errors.Join(err, stop())
+	}
 	if err := stop(); err != nil {
 		return run, err
 	}
 	s := client.Stats()
 	run.handled, run.gated, run.queries, run.unsure = handled.Load(), s.Gated, s.Queries, s.QueryFailures
-	run.rate = rate{n: run.handled + run.gated, wall: doneAt.Sub(h.started()), cpu: cpu}
+	run.rate = rate{n: run.handled + run.gated, wall: doneAt.Sub(h.started()), cpu: cpu, stmts: stmts1.since(stmts0, g.b.labels)}
 	if l := leaked.Load(); l > 0 {
 		return run, fmt.Errorf("%d records of %d blocked keys reached the handler", l, len(blocked))
 	}
@@ -665,6 +674,16 @@ func (g *gateResult) summarize(s *summary) {
 	s.set("gate_on_vs_off", ratio(g.on.rate.perSecond(), off))
 	s.set("gate_blocked1_vs_off", ratio(g.blocked.rate.perSecond(), off))
 	s.set("gate_on_vs_off_large", ratio(g.onLarge.rate.perSecond(), g.offLarge.rate.perSecond()))
+	// The scheduler's Postgres time per record read, every top-level
+	// statement of its database during the run: with the gate off it is
+	// the service's background work alone (heartbeats, the in-flight
+	// loop, metrics; often none in a run this short), which the gate-on
+	// figures include too. Without pg_stat_statements every run's is nil.
+	if g.on.rate.stmts != nil {
+		s.set("gate_off_pg_us_per_record", g.off.rate.perMsg(topLevel(g.off.rate.stmts)))
+		s.set("gate_on_pg_us_per_record", g.on.rate.perMsg(topLevel(g.on.rate.stmts)))
+		s.set("gate_blocked1_pg_us_per_record", g.blocked.rate.perMsg(topLevel(g.blocked.rate.stmts)))
+	}
 	s.set("gate_p50_ms", ms(g.idle.p50))
 	s.set("gate_p99_ms", ms(g.idle.p99))
 	s.set("gate_busy_p50_ms", ms(g.busy.p50))
