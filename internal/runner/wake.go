@@ -2,6 +2,7 @@ package runner
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -14,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/deferq/scheduler/internal/backoff"
+	"github.com/deferq/scheduler/sql/queries"
 )
 
 // NotifyChannel is the channel the deferred_key triggers notify when a head
@@ -35,6 +37,9 @@ type Waker struct {
 	pool     *pgxpool.Pool
 	logger   *slog.Logger
 	throttle time.Duration
+	// checkEvery is how often a listening session that heard nothing
+	// checks that its server still takes writes (listenCheckEvery).
+	checkEvery time.Duration
 
 	mu   sync.Mutex
 	subs map[chan struct{}]struct{}
@@ -62,8 +67,15 @@ func (w *Waker) On(channel string, fn func()) {
 // NewWaker returns a Waker that wakes subscribers for heads due now at most
 // once per throttle; a head due later wakes them once, when it falls due.
 func NewWaker(pool *pgxpool.Pool, throttle time.Duration, logger *slog.Logger) *Waker {
-	return &Waker{pool: pool, logger: logger, throttle: throttle, subs: map[chan struct{}]struct{}{}}
+	return &Waker{pool: pool, logger: logger, throttle: throttle, checkEvery: listenCheckEvery, subs: map[chan struct{}]struct{}{}}
 }
+
+// listenCheckEvery: a primary demoted in place (a switchover without a
+// restart) keeps the listening session open, and the new primary's
+// notifications never reach it; the loops would poll until the session
+// ended. Readiness resets the pool within METRICS_INTERVAL, but not a
+// session taken out of it. One statement every ten seconds finds it.
+const listenCheckEvery = 10 * time.Second
 
 // Subscribe returns a channel that receives a value after a notification, and
 // a function that unsubscribes. Wake-ups coalesce: the channel holds one.
@@ -174,7 +186,23 @@ func (w *Waker) listen(ctx context.Context) (bool, error) {
 		}
 	}
 	for {
-		n, err := conn.WaitForNotification(ctx)
+		wctx, cancel := context.WithTimeout(ctx, w.checkEvery)
+		n, err := conn.WaitForNotification(wctx)
+		cancel()
+		if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+			// Nothing heard for a while: is the server still the primary?
+			// pgx leaves the connection usable after a wait that timed out.
+			st, err := queries.SessionState(ctx, conn)
+			if err != nil {
+				return true, fmt.Errorf("check the listening session: %w", err)
+			}
+			if st.ReadOnly {
+				// Idle connections of the pool are on that server too.
+				w.pool.Reset()
+				return true, errors.New("the listening session's server takes no writes any more (a primary demoted in place?): listening again where the URL leads now")
+			}
+			continue
+		}
 		if err != nil {
 			return true, fmt.Errorf("wait for notifications: %w", err)
 		}

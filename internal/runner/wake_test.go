@@ -2,6 +2,7 @@ package runner
 
 import (
 	"context"
+	"log/slog"
 	"strconv"
 	"testing"
 	"time"
@@ -11,6 +12,8 @@ import (
 
 	"github.com/deferq/scheduler/internal/dispatchtest"
 	"github.com/deferq/scheduler/internal/fixture"
+	"github.com/deferq/scheduler/internal/pglocal"
+	"github.com/deferq/scheduler/internal/pgtest"
 )
 
 // The head triggers' notification says when the head falls due: empty for
@@ -150,5 +153,89 @@ func TestFutureHeadWakesALoopWhenDue(t *testing.T) {
 	})
 	if took := time.Since(stored); took >= 4*time.Second {
 		t.Fatalf("published %v after it was stored: the loops' poll, not a wake-up", took)
+	}
+}
+
+// A primary demoted in place keeps the listening session open, and the
+// new primary's notifications never reach it. The waker finds that its
+// server takes no writes any more and listens again where the URL leads
+// now (pgtest.Pair), where a notification wakes the loops.
+func TestWakerListensOnThePromotedServer(t *testing.T) {
+	pair := pgtest.StartPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// Named, to find its sessions: the listening one's last statement is
+	// the periodic check as often as LISTEN.
+	pool, err := pgxpool.New(ctx, pair.URL+"&application_name=waker-test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	w := NewWaker(pool, time.Millisecond, slog.New(slog.DiscardHandler))
+	w.checkEvery = 50 * time.Millisecond
+	wake, unsubscribe := w.Subscribe()
+	defer unsubscribe()
+	runCtx, stop := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		w.Run(runCtx)
+	}()
+	defer func() {
+		stop()
+		<-done
+	}()
+
+	// listening reports whether the waker has a session on c: it has
+	// only the listening one (the pool's others are closed or reset).
+	listening := func(c *pglocal.Cluster) bool {
+		t.Helper()
+		conn, err := pgx.Connect(ctx, c.URL("postgres"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer conn.Close(ctx)
+		var n int
+		if err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'waker-test'").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n > 0
+	}
+	waitUntil := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(time.Minute); !cond(); time.Sleep(20 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within a minute", what)
+			}
+		}
+	}
+	waitUntil("listening on the first server", func() bool { return listening(pair.First) })
+
+	pair.Switchover(t)
+	waitUntil("listening on the promoted server", func() bool { return listening(pair.Second) })
+	// Woken since then (by the reconnect's broadcast): drain it.
+	select {
+	case <-wake:
+	default:
+	}
+	conn, err := pgx.Connect(ctx, pair.Second.URL("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	// Again until one wakes the loops: the session may be connected and
+	// not yet listening.
+	for deadline := time.Now().Add(time.Minute); ; {
+		if _, err := conn.Exec(ctx, "SELECT pg_notify($1, '')", NotifyChannel); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-wake:
+			return
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("notifications on the promoted server did not wake the loops within a minute")
+		}
 	}
 }
