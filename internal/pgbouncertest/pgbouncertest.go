@@ -18,7 +18,6 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
-	"os/user"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -27,6 +26,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/deferq/scheduler/internal/pglocal"
 )
 
 // Mode is PgBouncer's pool_mode.
@@ -85,7 +86,7 @@ func Start(tb testing.TB, serverURL string, opts Options) *Bouncer {
 	}
 	tb.Cleanup(func() { os.RemoveAll(dir) })
 	b := &Bouncer{dir: dir}
-	if b.port, err = freePort(); err != nil {
+	if b.port, err = pglocal.FreePort(); err != nil {
 		tb.Fatalf("pgbouncertest: %v", err)
 	}
 	users := append([]string{server.User.Username()}, opts.Users...)
@@ -125,7 +126,7 @@ pidfile = %s
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if os.Geteuid() == 0 {
 		// PgBouncer refuses to run as root.
-		cred, err := credential("postgres")
+		cred, err := pglocal.Credential()
 		if err != nil {
 			tb.Fatalf("pgbouncertest: running as root, and pgbouncer refuses root: %v", err)
 		}
@@ -196,29 +197,4 @@ func (b *Bouncer) Log() string {
 		return fmt.Sprintf("(no pgbouncer log: %v)", err)
 	}
 	return string(data)
-}
-
-func credential(name string) (*syscall.Credential, error) {
-	u, err := user.Lookup(name)
-	if err != nil {
-		return nil, fmt.Errorf("OS user %q to run pgbouncer as: %w", name, err)
-	}
-	uid, err := strconv.ParseUint(u.Uid, 10, 32)
-	if err != nil {
-		return nil, err
-	}
-	gid, err := strconv.ParseUint(u.Gid, 10, 32)
-	if err != nil {
-		return nil, err
-	}
-	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid), Groups: []uint32{}}, nil
-}
-
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, fmt.Errorf("find a free port: %w", err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
 }

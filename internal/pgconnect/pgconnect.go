@@ -167,7 +167,12 @@ func (c *checker) check(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer closeQuietly(a)
+	// Whichever probe connection is open when check returns.
+	defer func() {
+		if a != nil {
+			closeQuietly(a)
+		}
+	}()
 	if !readCommitted(st.Isolation) {
 		if c.urlSetsIsolation {
 			return c.isolationDropped(st.Isolation)
@@ -176,6 +181,7 @@ func (c *checker) check(ctx context.Context) error {
 		// refuse the parameter or drop it.
 		c.cc.RuntimeParams[isolationSetting] = "read committed"
 		closeQuietly(a)
+		a = nil
 		was := st.Isolation
 		if a, st, err = c.probe(ctx); err != nil {
 			var pe *pgconn.PgError
@@ -190,7 +196,6 @@ func (c *checker) check(ctx context.Context) error {
 			}
 			return err
 		}
-		defer closeQuietly(a)
 		if !readCommitted(st.Isolation) {
 			return c.isolationDropped(st.Isolation)
 		}

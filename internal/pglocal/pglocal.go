@@ -183,6 +183,11 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	return c, nil
 }
 
+// Credential returns the OS user the cluster's server runs as when the
+// caller is root ("postgres"): for another server that refuses root, such
+// as PgBouncer.
+func Credential() (*syscall.Credential, error) { return lookupCredential(osUser) }
+
 func lookupCredential(name string) (*syscall.Credential, error) {
 	u, err := user.Lookup(name)
 	if err != nil {
@@ -267,7 +272,7 @@ max_connections = 200
 	const attempts = 3
 	for i := 1; ; i++ {
 		if pickPort {
-			p, err := freePort()
+			p, err := FreePort()
 			if err != nil {
 				return err
 			}
@@ -304,7 +309,8 @@ func appendFile(path, text string) error {
 	return f.Close()
 }
 
-func freePort() (int, error) {
+// FreePort returns a TCP port on 127.0.0.1 that nothing listens on now.
+func FreePort() (int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return 0, fmt.Errorf("pick a free port on 127.0.0.1: %w", err)
