@@ -288,8 +288,8 @@ func TestApplyConcurrent(t *testing.T) {
 			WHERE tgrelid = 'deferred_message'::regclass AND NOT tgisinternal`).Scan(&triggers); err != nil {
 			t.Fatal(err)
 		}
-		if triggers != 8 {
-			t.Errorf("round %s: deferred_message has %d triggers, want 8 (heads on insert, update, delete, truncate; touch; history on insert, update, delete)", round.name, triggers)
+		if triggers != 12 {
+			t.Errorf("round %s: deferred_message has %d triggers, want 12 (heads and key changes on insert, update, delete, truncate; touch; history on insert, update, delete)", round.name, triggers)
 		}
 	}
 }

@@ -142,32 +142,8 @@ func (s *Server) SetOffsets(o Offsets) { s.offsets.Store(&o) }
 // of its own, which keeps the whole answer within the client's timeout.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	start := time.Now()
-	if r.Method != http.MethodPost {
-		w.Header().Set("Allow", http.MethodPost)
-		s.refuse(w, r, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed: the key-state query is POST %s with a JSON body", r.Method, keystate.Path))
-		return
-	}
-	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
-		s.refuse(w, r, http.StatusUnsupportedMediaType, fmt.Sprintf("Content-Type %q is not application/json", r.Header.Get("Content-Type")))
-		return
-	}
-	if r.ContentLength > keystate.MaxBodyBytes {
-		s.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the body is %d bytes, at most %d", r.ContentLength, keystate.MaxBodyBytes))
-		return
-	}
-	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, keystate.MaxBodyBytes))
-	if err != nil {
-		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
-			s.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the body is over %d bytes", keystate.MaxBodyBytes))
-		} else {
-			s.refuse(w, r, http.StatusBadRequest, "reading the body: "+err.Error())
-		}
-		return
-	}
-	// Authentication comes before the body is parsed, so that who may not
-	// ask learns nothing from the validation either.
-	if why := s.authenticate(r.Header, body); why != "" {
-		s.refuse(w, r, http.StatusUnauthorized, why)
+	body, ok := s.readBody(w, r, "key-state query", keystate.Path)
+	if !ok {
 		return
 	}
 	req, why := parseRequest(body)
@@ -234,6 +210,42 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	writeJSON(w, http.StatusOK, resp)
 	s.cfg.Metrics.KeyStateAnswered(time.Since(start), blocked, len(req.Keys)-blocked)
+}
+
+// readBody reads a request for the what at path up to its authentication, and refuses
+// it when it fails; ok says it may be parsed. In order: 405 unless POST,
+// 415 unless JSON, 413 over keystate.MaxBodyBytes, 401 unless signed when
+// signing keys are configured.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request, what, path string) (body []byte, ok bool) {
+	if r.Method != http.MethodPost {
+		w.Header().Set("Allow", http.MethodPost)
+		s.refuse(w, r, http.StatusMethodNotAllowed, fmt.Sprintf("method %s is not allowed: the %s is POST %s with a JSON body", r.Method, what, path))
+		return nil, false
+	}
+	if mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type")); err != nil || mt != "application/json" {
+		s.refuse(w, r, http.StatusUnsupportedMediaType, fmt.Sprintf("Content-Type %q is not application/json", r.Header.Get("Content-Type")))
+		return nil, false
+	}
+	if r.ContentLength > keystate.MaxBodyBytes {
+		s.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the body is %d bytes, at most %d", r.ContentLength, keystate.MaxBodyBytes))
+		return nil, false
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, keystate.MaxBodyBytes))
+	if err != nil {
+		if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+			s.refuse(w, r, http.StatusRequestEntityTooLarge, fmt.Sprintf("the body is over %d bytes", keystate.MaxBodyBytes))
+		} else {
+			s.refuse(w, r, http.StatusBadRequest, "reading the body: "+err.Error())
+		}
+		return nil, false
+	}
+	// Authentication comes before the body is parsed, so that who may not
+	// ask learns nothing from the validation either.
+	if why := s.authenticate(r.Header, body); why != "" {
+		s.refuse(w, r, http.StatusUnauthorized, why)
+		return nil, false
+	}
+	return body, true
 }
 
 // authenticate checks a request's signature when signing keys are
@@ -587,7 +599,11 @@ func bounded[T any](ctx context.Context, f func() (T, error)) (T, error) {
 // refuse answers a request that is not valid or not allowed.
 func (s *Server) refuse(w http.ResponseWriter, r *http.Request, status int, why string) {
 	writeJSON(w, status, keystate.ErrorResponse{Error: why})
-	s.cfg.Metrics.KeyStateRefused()
+	if q := setQuery(r); q != "" {
+		s.cfg.Metrics.KeySetRequest(q, "refused")
+	} else {
+		s.cfg.Metrics.KeyStateRefused()
+	}
 	// A signature that does not verify is worth seeing without debug
 	// logging: a client with the wrong key, or someone probing.
 	level := slog.LevelDebug
@@ -601,7 +617,11 @@ func (s *Server) refuse(w http.ResponseWriter, r *http.Request, status int, why 
 // to: the client counts its keys as blocked.
 func (s *Server) unsure(w http.ResponseWriter, r *http.Request, group, why string) {
 	writeJSON(w, http.StatusServiceUnavailable, keystate.ErrorResponse{Error: why})
-	s.cfg.Metrics.KeyStateUnsure()
+	if q := setQuery(r); q != "" {
+		s.cfg.Metrics.KeySetRequest(q, "unsure")
+	} else {
+		s.cfg.Metrics.KeyStateUnsure()
+	}
 	s.cfg.Logger.Info("key-state request unsure", "group", group, "error", why, "remote", r.RemoteAddr)
 }
 

@@ -72,6 +72,7 @@ type Metrics struct {
 	keyStateRequests *prometheus.CounterVec
 	keyStateDuration prometheus.Histogram
 	keyStateKeys     *prometheus.CounterVec
+	keySetRequests   *prometheus.CounterVec
 	inflightReleased prometheus.Counter
 	inflightErrors   prometheus.Counter
 
@@ -203,6 +204,10 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 			Name: KeyStateKeys,
 			Help: "Business keys answered by key-state queries, by answer: blocked or free.",
 		}, []string{"answer"}),
+		keySetRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: KeySetRequests,
+			Help: "Blocked-key set queries of the client library, by query (set: POST /v1/key-set, a page of a group's blocked keys; changes: POST /v1/key-changes, what changed since a cursor) and result: answered; reset (the client must load its set again); unsure (ingest did not catch up in time, or the database failed); refused (a bad or unauthenticated request).",
+		}, []string{"query", "result"}),
 		inflightReleased: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: InflightReleased,
 			Help: "Rows of deferred_inflight released because their consumer group committed past the record.",
@@ -235,13 +240,21 @@ func New(reg prometheus.Registerer, version string) *Metrics {
 	}
 	m.keyStateKeys.WithLabelValues("blocked")
 	m.keyStateKeys.WithLabelValues("free")
+	for _, q := range []string{"set", "changes"} {
+		for _, r := range []string{"answered", "reset", "unsure", "refused"} {
+			if q == "set" && r == "reset" {
+				continue
+			}
+			m.keySetRequests.WithLabelValues(q, r)
+		}
+	}
 	reg.MustRegister(
 		m.ingestRecords, m.ingestRejected, m.ingestParked, m.ingestBatchRecords, m.ingestBatchDuration, m.ingestLag,
 		m.ingestRollbacks, m.ingestReread, m.ingestUnrecoverable, m.ingestResets, m.ingestBuffered,
 		m.published, m.publishErrors, m.parked, m.lateness, m.roundDuration, m.claimWait, m.expressKeys,
 		m.backlog,
 		m.dlqPublished, m.dlqPublishErrors,
-		m.ingestGated, m.ingestMisrouted, m.keyStateRequests, m.keyStateDuration, m.keyStateKeys,
+		m.ingestGated, m.ingestMisrouted, m.keyStateRequests, m.keyStateDuration, m.keyStateKeys, m.keySetRequests,
 		m.inflightReleased, m.inflightErrors,
 		m.riverJobs, m.ready, m.pool, buildInfo,
 	)
@@ -518,6 +531,15 @@ func (m *Metrics) KeyStateAnswered(d time.Duration, blocked, free int) {
 	m.keyStateDuration.Observe(d.Seconds())
 	m.keyStateKeys.WithLabelValues("blocked").Add(float64(blocked))
 	m.keyStateKeys.WithLabelValues("free").Add(float64(free))
+}
+
+// KeySetRequest counts a blocked-key set query (query "set" or "changes")
+// by result: answered, reset, unsure or refused.
+func (m *Metrics) KeySetRequest(query, result string) {
+	if m == nil {
+		return
+	}
+	m.keySetRequests.WithLabelValues(query, result).Inc()
 }
 
 // KeyStateUnsure counts a key-state query answered "cannot say".

@@ -59,6 +59,7 @@ const (
 	KeyStateRequests = "scheduler_key_state_requests_total"      // counter {result: answered|unsure|refused}
 	KeyStateDuration = "scheduler_key_state_duration_seconds"    // histogram: answered requests, the wait for ingest included
 	KeyStateKeys     = "scheduler_key_state_keys_total"          // counter {answer: blocked|free}
+	KeySetRequests   = "scheduler_key_set_requests_total"        // counter {query: set|changes, result: answered|reset|unsure|refused}
 	InflightKeys     = "scheduler_inflight_keys"                 // gauge: keys republished and not yet committed past by their group
 	InflightOldest   = "scheduler_inflight_oldest_seconds"       // gauge: age of the oldest of those
 	InflightReleased = "scheduler_inflight_released_total"       // counter: keys released by their group's commit
@@ -75,7 +76,7 @@ func Names() []string {
 		Messages, MessagesDue, OldestDue, HeldKeys, KeysHeldParked, DLQPublished, DLQPublishErrors, DLQUnsent,
 		DBPoolConnections, DBPoolAcquireWait, DBOldestTransaction,
 		RiverJobs, Ready, BuildInfo,
-		IngestGated, IngestMisrouted, KeyStateRequests, KeyStateDuration, KeyStateKeys,
+		IngestGated, IngestMisrouted, KeyStateRequests, KeyStateDuration, KeyStateKeys, KeySetRequests,
 		InflightKeys, InflightOldest, InflightReleased, InflightErrors,
 	}
 }

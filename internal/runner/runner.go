@@ -633,6 +633,11 @@ func (w *maintenanceWorker) Work(ctx context.Context, _ *river.Job[MaintenanceAr
 	if perr := queries.InstancePrune(ctx, w.rt.pool); perr != nil {
 		err = errors.Join(err, fmt.Errorf("prune instances: %w", perr))
 	}
+	pruned, perr := pruneKeyChanges(ctx, w.rt.pool)
+	if pruned > 0 {
+		w.rt.logger.Debug("pruned the blocked-key feed", "rows", pruned, "older_than", keyChangeRetention)
+	}
+	err = errors.Join(err, perr)
 	if retention := w.rt.cfg.HistoryRetention; retention > 0 {
 		pruned, perr := pruneHistory(ctx, w.rt.pool, retention, historyPruneBatch, historyPruneBatches)
 		if pruned > 0 {
@@ -650,6 +655,29 @@ const (
 	historyPruneBatch   = 10000
 	historyPruneBatches = 1000
 )
+
+// keyChangeRetention is how long the blocked-key feed (deferred_key_change)
+// keeps a change. A client polls it several times a second; one that has
+// not for this long loads its set again, as the prune tells it to.
+const keyChangeRetention = 10 * time.Minute
+
+// pruneKeyChanges deletes the blocked-key feed's rows older than
+// keyChangeRetention, in batches as pruneHistory does, and returns how
+// many went.
+func pruneKeyChanges(ctx context.Context, pool *pgxpool.Pool) (int64, error) {
+	var total int64
+	for range historyPruneBatches {
+		row, err := queries.KeyChangePrune(ctx, pool, queries.KeyChangePruneParams{Retention: keyChangeRetention, Batch: historyPruneBatch})
+		if err != nil {
+			return total, fmt.Errorf("prune the blocked-key feed (%d rows pruned so far): %w", total, err)
+		}
+		total += row.Pruned
+		if row.Pruned < int64(historyPruneBatch) {
+			break
+		}
+	}
+	return total, nil
+}
 
 // pruneHistory deletes deferred_attempt rows older than retention, batch
 // rows per statement (each its own transaction), until a statement deletes

@@ -503,6 +503,8 @@ func (s *Service) routes() http.Handler {
 	// Every method, so that the server itself answers a wrong one with its
 	// JSON refusal (405) rather than the mux's plain text.
 	mux.Handle(keystate.Path, s.keyStates)
+	mux.HandleFunc(keystate.SetPath, s.keyStates.ServeSet)
+	mux.HandleFunc(keystate.ChangesPath, s.keyStates.ServeChanges)
 	return mux
 }
 

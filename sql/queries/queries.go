@@ -112,6 +112,12 @@ var (
 	ingestPositionsSQL string
 	//go:embed key_state.sql
 	keyStateSQL string
+	//go:embed key_set.sql
+	keySetSQL string
+	//go:embed key_changes.sql
+	keyChangesSQL string
+	//go:embed key_change_prune.sql
+	keyChangePruneSQL string
 	//go:embed instance_heartbeat.sql
 	instanceHeartbeatSQL string
 	//go:embed instance_leave.sql
@@ -169,6 +175,9 @@ func files() map[string]string {
 		"ingest_prepare.sql":             ingestPrepareSQL,
 		"ingest_positions.sql":           ingestPositionsSQL,
 		"key_state.sql":                  keyStateSQL,
+		"key_set.sql":                    keySetSQL,
+		"key_changes.sql":                keyChangesSQL,
+		"key_change_prune.sql":           keyChangePruneSQL,
 		"instance_heartbeat.sql":         instanceHeartbeatSQL,
 		"instance_leave.sql":             instanceLeaveSQL,
 		"instance_prune.sql":             instancePruneSQL,
@@ -252,6 +261,9 @@ func Statements() []Statement {
 		st("history_prune.sql", HistoryPruneParams{}, HistoryPruneRow{}),
 		st("metrics_backlog.sql", NoParams{}, MetricsBacklogRow{}),
 		st("key_state.sql", KeyStateParams{}, KeyStateRow{}),
+		st("key_set.sql", KeySetParams{}, KeySetRow{}),
+		st("key_changes.sql", KeyChangesParams{}, KeyChangesRow{}),
+		st("key_change_prune.sql", KeyChangePruneParams{}, KeyChangePruneRow{}),
 		st("inflight_partitions.sql", NoParams{}, InflightPartitionsRow{}),
 		st("inflight_release.sql", InflightReleaseParams{}, InflightReleaseRow{}),
 	}

@@ -320,6 +320,41 @@ CREATE INDEX deferred_inflight_partition ON deferred_inflight (group_id, target_
 CREATE INDEX deferred_inflight_key ON deferred_inflight (business_key);
 
 -- ---------------------------------------------------------------------------
+-- deferred_key_change: the feed of the consumers' blocked-key sets. A row
+-- says that a business key may have become blocked or free for a consumer
+-- group: a message of the group's for the key was stored, replayed,
+-- cancelled, parked without holding its key, or its in-flight row went
+-- (triggers/deferred_message.sql, triggers/deferred_inflight.sql). The
+-- finalize, which moves a key from pending to in flight, writes none: the
+-- key stays blocked. Readers (key_changes.sql) read by xid below their
+-- snapshot's xmin, never by a number a still-open transaction could commit
+-- under later (docs/design.md, "The blocked-key set"). Maintenance deletes
+-- rows older than a few minutes (key_change_prune.sql).
+CREATE TABLE deferred_key_change (
+    xid          xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    group_id     text NOT NULL,
+    business_key text COLLATE "C" NOT NULL,
+    changed_at   timestamptz NOT NULL DEFAULT now()
+);
+
+COMMENT ON TABLE deferred_key_change IS
+    'Feed of (consumer group, business key) pairs whose blocked state may have changed, by transaction id; read by the key-changes query, pruned after minutes. Written by triggers.';
+
+-- The feed reads one group's changes between two transaction ids.
+CREATE INDEX deferred_key_change_feed ON deferred_key_change (group_id, xid);
+-- The prune deletes by age; rows arrive in time order.
+CREATE INDEX deferred_key_change_age ON deferred_key_change USING brin (changed_at);
+
+-- deferred_key_change_pruned: one row; changes of transactions at or below
+-- below may be gone (pruned, or a TRUNCATE of deferred_message or
+-- deferred_inflight, which says nothing of the keys it freed), so a reader
+-- whose cursor is not above it must load the whole set again.
+CREATE TABLE deferred_key_change_pruned (
+    only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+    below    xid8 NOT NULL
+);
+
+-- ---------------------------------------------------------------------------
 -- scheduler_instance: live scheduler processes. Each heartbeats every
 -- second; a dispatch loop job left "running" by a process whose heartbeat
 -- stopped (it crashed) is reaped by the live ones and its slot re-created at

@@ -52,3 +52,24 @@ CREATE OR REPLACE TRIGGER deferred_attempt_delete AFTER DELETE ON deferred_messa
     FOR EACH STATEMENT
     WHEN (nullif(current_setting('scheduler.finalizing', true), '') IS NULL)
     EXECUTE FUNCTION deferred_attempt_after_delete();
+
+-- The consumers' blocked-key sets: a change that may block or free a key
+-- for a consumer group is written to deferred_key_change
+-- (functions/deferred_key_change_*.sql). The finalize's deletes are not:
+-- the same statement puts the key in flight.
+CREATE OR REPLACE TRIGGER deferred_key_change_insert AFTER INSERT ON deferred_message
+    REFERENCING NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_change_after_insert();
+
+CREATE OR REPLACE TRIGGER deferred_key_change_update AFTER UPDATE ON deferred_message
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_change_after_update();
+
+CREATE OR REPLACE TRIGGER deferred_key_change_delete AFTER DELETE ON deferred_message
+    REFERENCING OLD TABLE AS old_rows
+    FOR EACH STATEMENT
+    WHEN (nullif(current_setting('scheduler.finalizing', true), '') IS NULL)
+    EXECUTE FUNCTION deferred_key_change_after_delete();
+
+CREATE OR REPLACE TRIGGER deferred_key_change_truncate AFTER TRUNCATE ON deferred_message
+    FOR EACH STATEMENT EXECUTE FUNCTION deferred_key_change_reset();
