@@ -99,7 +99,7 @@ func (s *Server) ServeChanges(w http.ResponseWriter, r *http.Request) {
 	}
 	head := rows[0]
 	resp := keystate.ChangesResponse{Cursor: strconv.FormatInt(head.Cursor, 10), Reset: head.Reset, Keys: []keystate.State{},
-		Stored: make(map[int32]int64, len(head.StoredPartitions))}
+		Stored: make(map[int32]int64, len(head.StoredPartitions)), BehindMillis: head.BehindMillis}
 	for i, part := range head.StoredPartitions {
 		resp.Stored[part] = head.StoredOffsets[i]
 	}

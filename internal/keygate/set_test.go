@@ -336,6 +336,16 @@ func TestKeyChangesWaitForOlderTransactions(t *testing.T) {
 	if len(got.Keys) != 0 || got.Reset {
 		t.Fatalf("with an older transaction open: %+v, want nothing yet", got)
 	}
+	// The change held back shows as behind_ms, which grows as it waits.
+	for deadline := time.Now().Add(time.Minute); got.BehindMillis == 0 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+		if got = changes(t, e, "payments", got.Cursor); len(got.Keys) != 0 {
+			t.Fatalf("with an older transaction open: %+v, want nothing yet", got)
+		}
+	}
+	if got.BehindMillis == 0 {
+		t.Errorf("behind_ms stayed 0 for a minute with a change held back")
+	}
 	if err := slow.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -75,4 +75,9 @@ type ChangesResponse struct {
 	// Stored is how far ingest had stored each partition of the defer
 	// topic when Keys were read: a record below it is in their state.
 	Stored map[int32]int64 `json:"stored,omitempty"`
+	// BehindMillis is how long the oldest change this answer could not
+	// give yet has waited: changes come once every older transaction has
+	// ended, and a transaction left open holds them back. A client stops
+	// trusting its set when it grows.
+	BehindMillis int64 `json:"behind_ms,omitempty"`
 }

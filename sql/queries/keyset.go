@@ -54,6 +54,7 @@ type KeyChangesRow struct {
 	Reset            bool    `db:"reset"`
 	StoredPartitions []int32 `db:"stored_partitions"`
 	StoredOffsets    []int64 `db:"stored_offsets"`
+	BehindMillis     int64   `db:"behind_ms"`
 	BusinessKey      *string `db:"business_key"`
 	Blocked          *bool   `db:"blocked"`
 	Reason           *string `db:"reason"`
@@ -62,7 +63,7 @@ type KeyChangesRow struct {
 }
 
 func (r *KeyChangesRow) dest() []any {
-	return []any{&r.Cursor, &r.Reset, &r.StoredPartitions, &r.StoredOffsets,
+	return []any{&r.Cursor, &r.Reset, &r.StoredPartitions, &r.StoredOffsets, &r.BehindMillis,
 		&r.BusinessKey, &r.Blocked, &r.Reason, &r.HeadSeq, &r.HeadID}
 }
 
