@@ -2,14 +2,10 @@ package deferclient
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"strconv"
-	"strings"
 
 	"github.com/IBM/sarama"
 
-	"github.com/deferq/scheduler/internal/defer/protocol"
+	"github.com/deferq/scheduler/deferclient/gate"
 )
 
 // Handler handles one record. A nil error means handled: its offset may be
@@ -62,40 +58,34 @@ type HandlerConfig struct {
 // The Client must have a Group, the consumer group's id, and a
 // SchedulerURL.
 func (c *Client) ConsumerGroupHandler(h Handler, hc HandlerConfig) sarama.ConsumerGroupHandler {
-	if hc.RetryTopic == nil {
-		hc.RetryTopic = func(topic string) string { return topic + ".retry" }
-	}
-	if hc.Classify == nil {
-		hc.Classify = DefaultClassify
-	}
 	if hc.BusinessKey == nil {
 		hc.BusinessKey = BusinessKey
 	}
 	if hc.MaxBatch <= 0 {
 		hc.MaxBatch = 500
 	}
-	return &groupHandler{c: c, h: h, cfg: hc}
+	return &groupHandler{c: c, h: h, cfg: hc,
+		batch: gate.BatchConfig{RetryTopic: hc.RetryTopic, Classify: hc.Classify, NoGate: hc.NoGate}}
 }
 
 type groupHandler struct {
-	c   *Client
-	h   Handler
-	cfg HandlerConfig
+	c     *Client
+	h     Handler
+	cfg   HandlerConfig
+	batch gate.BatchConfig
 }
 
+// Setup and Cleanup implement sarama.ConsumerGroupHandler: a claim's state
+// lives in ConsumeClaim, nothing spans the session.
 func (g *groupHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
 func (g *groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim implements sarama.ConsumerGroupHandler.
 func (g *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sarama.ConsumerGroupClaim) error {
 	ctx := sess.Context()
-	// Until a question that waited for the whole defer topic was answered
-	// in this claim, the deferrals of the partition's previous owner may
-	// be on their way to the scheduler: each question waits for them.
-	// After, only this process's own deferrals can be missing from an
-	// answer, and it keeps those blocked itself until an answer covers
-	// them: a question waits for nothing.
-	waited := false
+	// One claim is one ownership of the partition: its first question
+	// waits for the whole defer topic (gate.ClaimState).
+	var state gate.ClaimState
 	for {
 		var first *sarama.ConsumerMessage
 		select {
@@ -120,172 +110,39 @@ func (g *groupHandler) ConsumeClaim(sess sarama.ConsumerGroupSession, claim sara
 				break fill
 			}
 		}
-		if err := g.handle(ctx, sess, batch, &waited); err != nil {
+		recs := make([]gate.Record, len(batch))
+		for i, m := range batch {
+			recs[i] = record(m)
+		}
+		// An error leaves the failed record unmarked and ends the session:
+		// the next one reads it again from the committed offset.
+		if err := g.c.gate.HandleBatch(ctx, &state, recs, g.batch, &saramaBatch{g: g, sess: sess, msgs: batch}); err != nil {
 			return err
 		}
 	}
 }
 
-// handle gates and handles one batch of one partition, in order.
-//
-// Gated deferrals are queued and produced together, in record order,
-// before anything after them is marked: one round trip for all of a
-// batch's blocked records, not one each. A failed record's deferral is
-// produced at once, after what is queued, so produce order is record
-// order. Records are marked only once everything up to them is handled or
-// durably deferred.
-func (g *groupHandler) handle(ctx context.Context, sess sarama.ConsumerGroupSession, batch []*sarama.ConsumerMessage, waited *bool) error {
-	keys := make([]string, len(batch))
-	for i, m := range batch {
-		keys[i] = g.cfg.BusinessKey(m)
-	}
-	// An unsure answer leaves every key blocked: the records then go to the
-	// scheduler, which keeps their order, rather than to the handler.
-	states := map[string]KeyState{}
-	if !g.cfg.NoGate {
-		var err error
-		states, err = g.c.keyStates(ctx, keys, !*waited)
-		*waited = *waited || err == nil
-	}
-	var queued []outgoing
-	var done []*sarama.ConsumerMessage // handled or deferred, not marked yet
-	flush := func() error {
-		if err := g.c.sendAll(queued); err != nil {
-			return err
-		}
-		queued = queued[:0]
-		for _, m := range done {
-			sess.MarkMessage(m, "")
-		}
-		done = done[:0]
-		return nil
-	}
-	republished := false
-	for i, m := range batch {
-		key := keys[i]
-		seq, fromScheduler := schedulerSeq(m)
-		republished = republished || fromScheduler
-		if !g.cfg.NoGate && key != "" && blocks(states[key], fromScheduler, seq) {
-			o, err := g.c.build(m, Deferral{Target: g.target(m), BusinessKey: key}, true)
-			if err != nil {
-				return fmt.Errorf("deferclient: defer the record of %s/%d at offset %d behind its blocked key: %w", m.Topic, m.Partition, m.Offset, err)
-			}
-			queued = append(queued, o)
-			done = append(done, m)
-			states[key] = block(states[key], seq)
-			continue
-		}
-		err := g.h(ctx, m)
-		if err == nil {
-			g.c.count(func(s *Stats) { s.Handled++ })
-			done = append(done, m)
-			if st := states[key]; fromScheduler && st.HeadSeq != 0 && seq >= st.HeadSeq {
-				// The key's first waiting message was this one: the
-				// scheduler published it (and what followed it in its
-				// round, which comes next in this partition) before its
-				// finalize said so. What comes after it here passes;
-				// main-topic records still wait until the group commits.
-				states[key] = KeyState{Blocked: true, Reason: ReasonInFlight}
-			}
-			continue
-		}
-		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
-			// The session ends; this record is read again. What came
-			// before it is settled first, as far as the broker lets.
-			if ferr := flush(); ferr != nil {
-				return ferr
-			}
-			return nil
-		}
-		if err := flush(); err != nil {
-			return fmt.Errorf("deferclient: defer the records gated before %s/%d at offset %d: %w", m.Topic, m.Partition, m.Offset, err)
-		}
-		class, message := g.cfg.Classify(err)
-		if _, derr := g.c.deferRecord(ctx, m, Deferral{Target: g.target(m), BusinessKey: key, ErrorClass: class, ErrorMessage: message}, false); derr != nil {
-			return fmt.Errorf("deferclient: defer the record of %s/%d at offset %d that failed (%v): %w", m.Topic, m.Partition, m.Offset, err, derr)
-		}
-		if key != "" {
-			states[key] = block(states[key], seq)
-		}
-		done = append(done, m)
-	}
-	if err := flush(); err != nil {
-		return fmt.Errorf("deferclient: defer the records of %s/%d gated behind their keys: %w", batch[0].Topic, batch[0].Partition, err)
-	}
-	if republished {
-		// The scheduler releases a key once the group committed past the
-		// record it republished: commit now rather than at the next
-		// auto-commit.
-		sess.Commit()
-	}
-	return nil
+// saramaBatch is one batch of a claim, as the gate drives it.
+type saramaBatch struct {
+	g    *groupHandler
+	sess sarama.ConsumerGroupSession
+	msgs []*sarama.ConsumerMessage
 }
 
-// target returns where m is republished: the target it came with, else the
-// retry topic of its topic.
-func (g *groupHandler) target(m *sarama.ConsumerMessage) string {
-	if t := header(m, protocol.HeaderTarget); t != "" {
-		return t
-	}
-	return g.cfg.RetryTopic(m.Topic)
-}
+func (b *saramaBatch) BusinessKey(i int) string                { return b.g.cfg.BusinessKey(b.msgs[i]) }
+func (b *saramaBatch) Handle(ctx context.Context, i int) error { return b.g.h(ctx, b.msgs[i]) }
+func (b *saramaBatch) Mark(i int)                              { b.sess.MarkMessage(b.msgs[i], "") }
 
-// blocks says whether a key in state st keeps a record from the handler: a
-// main-topic record waits for anything; a record the scheduler republished,
-// with defer.seq seq, waits only for a message ahead of it.
-func blocks(st KeyState, fromScheduler bool, seq int64) bool {
-	if !st.Blocked {
-		return false
-	}
-	if !fromScheduler || st.Reason == ReasonUnknown {
-		// Unknown: the scheduler could not say, so nothing is known about
-		// what waits ahead of the record either. Deferring it behind the
-		// key is safe whatever the truth: it keeps its defer.seq, so the
-		// scheduler puts it back in its place.
-		return true
-	}
-	return st.HeadSeq != 0 && st.HeadSeq < seq
-}
-
-// block returns st after a record with defer.seq seq (0 for a main-topic
-// record) of the key was deferred in this batch: the key is blocked from
-// then on, behind the earliest waiting message.
-func block(st KeyState, seq int64) KeyState {
-	head := st.HeadSeq
-	if seq != 0 && (head == 0 || seq < head) {
-		head = seq
-	}
-	if !st.Blocked {
-		return KeyState{Blocked: true, Reason: ReasonLocal, HeadSeq: head}
-	}
-	st.HeadSeq = head
-	return st
-}
-
-// schedulerSeq returns m's defer.seq and true when the scheduler
-// republished m.
-func schedulerSeq(m *sarama.ConsumerMessage) (int64, bool) {
-	if header(m, protocol.HeaderID) == "" {
-		return 0, false
-	}
-	seq, err := strconv.ParseInt(header(m, protocol.HeaderSeq), 10, 64)
-	return seq, err == nil
-}
-
-// permanentError marks an error not worth retrying.
-type permanentError struct{ err error }
-
-func (e permanentError) Error() string { return e.err.Error() }
-func (e permanentError) Unwrap() error { return e.err }
+// Commit commits the session's marked offsets; sarama reports a failure on
+// the group's Errors channel, and commits them again at the next
+// auto-commit or at the session's end.
+func (b *saramaBatch) Commit(context.Context) { b.sess.Commit() }
 
 // Permanent marks err as not worth retrying: DefaultClassify gives it the
 // class "permanent", which the scheduler parks at once. Permanent(nil) is
 // nil.
 func Permanent(err error) error {
-	if err == nil {
-		return nil
-	}
-	return permanentError{err}
+	return gate.Permanent(err)
 }
 
 // DefaultClassify is the classifier a HandlerConfig without one uses: class
@@ -293,23 +150,5 @@ func Permanent(err error) error {
 // innermost error (what the scheduler's NON_RETRIABLE_ERRORS patterns can
 // match, e.g. "*net.OpError"); the message is the error's text, cut to 1 KB.
 func DefaultClassify(err error) (class, message string) {
-	var p permanentError
-	if errors.As(err, &p) {
-		class = "permanent"
-	} else {
-		inner := err
-		for {
-			next := errors.Unwrap(inner)
-			if next == nil {
-				break
-			}
-			inner = next
-		}
-		class = fmt.Sprintf("%T", inner)
-	}
-	message = err.Error()
-	if len(message) > 1024 {
-		message = strings.ToValidUTF8(message[:1024], "")
-	}
-	return class, message
+	return gate.DefaultClassify(err)
 }

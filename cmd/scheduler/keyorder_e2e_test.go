@@ -67,8 +67,15 @@ func startExample(t *testing.T, env []string) *example {
 // one scheduler killed with SIGKILL mid-run. Per key, no record may be
 // handled before every earlier record of its key was handled at least once
 // (a record handled again after a crash is allowed); nothing may be lost,
-// and nothing may stay blocked at the end.
+// and nothing may stay blocked at the end. It runs once with the example
+// on each Kafka client (KAFKA_CLIENT).
 func TestKeyOrderEndToEnd(t *testing.T) {
+	for _, client := range kafkaClients {
+		t.Run(client, func(t *testing.T) { testKeyOrderEndToEnd(t, client) })
+	}
+}
+
+func testKeyOrderEndToEnd(t *testing.T, client string) {
 	keys, perKey := 1000, 20
 	if testing.Short() {
 		keys = 200
@@ -89,7 +96,7 @@ func TestKeyOrderEndToEnd(t *testing.T) {
 	}
 
 	out := filepath.Join(t.TempDir(), "handled.tsv")
-	exEnv := []string{"KAFKA_BROKERS=" + brokers, "MAIN_TOPIC=" + mainTopic, "RETRY_TOPIC=" + targetTopic,
+	exEnv := []string{"KAFKA_CLIENT=" + client, "KAFKA_BROKERS=" + brokers, "MAIN_TOPIC=" + mainTopic, "RETRY_TOPIC=" + targetTopic,
 		"GROUP=orders-e2e", "SCHEDULER_URL=" + strings.Join(urls, ","), "OUT_FILE=" + out, "FAIL_RATE=0.2",
 		"PATH=" + os.Getenv("PATH")}
 	examples := []*example{startExample(t, exEnv), startExample(t, exEnv)}

@@ -15,15 +15,18 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/twmb/franz-go/pkg/kfake"
+	"github.com/twmb/franz-go/pkg/kgo"
 
 	"github.com/deferq/scheduler/deferclient"
+	"github.com/deferq/scheduler/deferclient/deferkgo"
 	"github.com/deferq/scheduler/internal/kafkatest"
 	"github.com/deferq/scheduler/internal/pgtest"
 )
 
 // The key-order tests run the scheduler binary and consumers built on the
-// client library (deferclient), all against one in-process broker, and
-// check what a consumer's handler saw, in order, per business key.
+// client library (deferclient on sarama, deferclient/deferkgo on franz-go),
+// all against one in-process broker, and check what a consumer's handler
+// saw, in order, per business key.
 
 const mainTopic = "orders.main"
 
@@ -80,16 +83,64 @@ func (h *handled) waitFor(t *testing.T, n int, within time.Duration) []string {
 	return h.snapshot()
 }
 
+// kafkaClients are the Kafka client libraries a test consumer can run on:
+// sarama through deferclient, franz-go through deferclient/deferkgo.
+var kafkaClients = []string{"sarama", "franz"}
+
+// gateClient is what the tests ask of a consumer's library client, of
+// either package.
+type gateClient interface {
+	Stats() deferclient.Stats
+	KeyStates(ctx context.Context, keys []string) (map[string]deferclient.KeyState, error)
+}
+
+// record is a consumed record as a test handler sees it, whatever the
+// client that read it.
+type record struct{ topic, key, value string }
+
+// testHandler handles a record in a test consumer; an error defers it.
+type testHandler func(ctx context.Context, r record) error
+
+// consumeOpts says how a test consumer runs.
+type consumeOpts struct {
+	// client is one of kafkaClients; "" means sarama.
+	client string
+	// noGate sets the handler configuration's NoGate.
+	noGate bool
+}
+
 // testConsumer is one member of a consumer group that consumes the main and
-// retry topics through deferclient.
+// retry topics through the library.
 type testConsumer struct {
-	client *deferclient.Client
+	client gateClient
 	stop   func()
 }
 
 // consume starts a member of group handling records with h (nil: record
-// and succeed) through the library, configured by hc.
-func (s *keyOrderSetup) consume(t *testing.T, group string, out *handled, h deferclient.Handler, hc deferclient.HandlerConfig) *testConsumer {
+// and succeed) through the library, on the Kafka client o names.
+func (s *keyOrderSetup) consume(t *testing.T, group string, out *handled, h testHandler, o consumeOpts) *testConsumer {
+	t.Helper()
+	handle := func(ctx context.Context, r record) error {
+		if h != nil {
+			if err := h(ctx, r); err != nil {
+				return err
+			}
+		}
+		out.add(r.key, r.value)
+		return nil
+	}
+	switch o.client {
+	case "", "sarama":
+		return s.consumeSarama(t, group, handle, o)
+	case "franz":
+		return s.consumeFranz(t, group, handle, o)
+	}
+	t.Fatalf("no Kafka client %q", o.client)
+	return nil
+}
+
+// consumeSarama is consume on sarama, through deferclient.
+func (s *keyOrderSetup) consumeSarama(t *testing.T, group string, handle testHandler, o consumeOpts) *testConsumer {
 	t.Helper()
 	client, err := deferclient.New(deferclient.Config{Brokers: []string{s.brokers}, Group: group, SchedulerURL: s.url,
 		KeyStateWait: 3 * time.Second})
@@ -107,19 +158,9 @@ func (s *keyOrderSetup) consume(t *testing.T, group string, out *handled, h defe
 	if err != nil {
 		t.Fatal(err)
 	}
-	if hc.RetryTopic == nil {
-		hc.RetryTopic = func(string) string { return targetTopic }
-	}
-	handler := func(ctx context.Context, m *sarama.ConsumerMessage) error {
-		if h != nil {
-			if err := h(ctx, m); err != nil {
-				return err
-			}
-		}
-		out.add(string(m.Key), string(m.Value))
-		return nil
-	}
-	gh := client.ConsumerGroupHandler(handler, hc)
+	gh := client.ConsumerGroupHandler(func(ctx context.Context, m *sarama.ConsumerMessage) error {
+		return handle(ctx, record{topic: m.Topic, key: string(m.Key), value: string(m.Value)})
+	}, deferclient.HandlerConfig{RetryTopic: func(string) string { return targetTopic }, NoGate: o.noGate})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() {
@@ -144,6 +185,67 @@ func (s *keyOrderSetup) consume(t *testing.T, group string, out *handled, h defe
 	return c
 }
 
+// consumeFranz is consume on franz-go, through deferkgo: a kgo group
+// consumer with the options the library asks for and the group timings of
+// consumeSarama.
+func (s *keyOrderSetup) consumeFranz(t *testing.T, group string, handle testHandler, o consumeOpts) *testConsumer {
+	t.Helper()
+	client, err := deferkgo.New(deferkgo.Config{Brokers: []string{s.brokers}, Group: group, SchedulerURL: s.url,
+		KeyStateWait: 3 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	join := func() *kgo.Client {
+		cl, err := kgo.NewClient(append(client.GroupOpts(),
+			kgo.SeedBrokers(s.brokers),
+			kgo.ConsumerGroup(group),
+			kgo.ConsumeTopics(mainTopic, targetTopic),
+			kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+			kgo.AutoCommitInterval(100*time.Millisecond),
+			kgo.HeartbeatInterval(200*time.Millisecond),
+			kgo.SessionTimeout(6*time.Second),
+			kgo.RebalanceTimeout(6*time.Second),
+		)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return cl
+	}
+	cl := join()
+	h := func(ctx context.Context, r *kgo.Record) error {
+		return handle(ctx, record{topic: r.Topic, key: string(r.Key), value: string(r.Value)})
+	}
+	hc := deferkgo.HandlerConfig{RetryTopic: func(string) string { return targetTopic }, NoGate: o.noGate}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			err := client.Consume(ctx, cl, h, hc)
+			if err == nil || ctx.Err() != nil {
+				continue
+			}
+			t.Logf("consumer of %s: %v", group, err)
+			if errors.Is(err, deferkgo.ErrLeftGroup) {
+				cl.Close()
+				cl = join()
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}()
+	var once sync.Once
+	c := &testConsumer{client: client, stop: func() {
+		once.Do(func() {
+			cancel()
+			<-done
+			cl.Close() // leaves the group, committing what was settled
+			client.Close()
+		})
+	}}
+	t.Cleanup(c.stop)
+	return c
+}
+
 // produceMain produces key=value to the main topic, keyed by key.
 func produceMain(t *testing.T, p sarama.SyncProducer, key, value string) {
 	t.Helper()
@@ -154,11 +256,11 @@ func produceMain(t *testing.T, p sarama.SyncProducer, key, value string) {
 }
 
 // failing returns a handler that fails the first n handlings of value.
-func failing(value string, n int) deferclient.Handler {
+func failing(value string, n int) testHandler {
 	var mu sync.Mutex
 	left := n
-	return func(_ context.Context, m *sarama.ConsumerMessage) error {
-		if string(m.Value) != value {
+	return func(_ context.Context, r record) error {
+		if r.value != value {
 			return nil
 		}
 		mu.Lock()
@@ -177,30 +279,36 @@ func failing(value string, n int) deferclient.Handler {
 // once, before charge (the NoGate case shows it); with it, refund is
 // deferred behind charge and handled after it.
 func TestKeyOrderLaterMainRecordWaits(t *testing.T) {
-	for _, gate := range []bool{true, false} {
-		t.Run(fmt.Sprintf("gate=%v", gate), func(t *testing.T) {
-			s := newKeyOrderSetup(t)
-			out := &handled{}
-			c := s.consume(t, "payment-service", out, failing("charge", 1), deferclient.HandlerConfig{NoGate: !gate})
-			p := producer(t, s.brokers)
-			produceMain(t, p, "order-42", "charge")
-			waitStat(t, c, func(st deferclient.Stats) bool { return st.Deferred == 1 })
-			produceMain(t, p, "order-42", "refund")
-			got := out.waitFor(t, 2, 20*time.Second)
-			want := []string{"order-42=charge", "order-42=refund"}
-			if !gate {
-				// The control: what every consumer without the gate does.
-				want = []string{"order-42=refund", "order-42=charge"}
-			}
-			if !slices.Equal(got, want) {
-				t.Fatalf("handled %q, want %q", got, want)
-			}
-			if st := c.client.Stats(); gate && st.Gated < 1 {
-				// Once at least: it may be gated again when it comes back
-				// before the scheduler's finalize of charge committed.
-				t.Errorf("stats %+v, want refund gated", st)
-			}
-		})
+	for _, client := range kafkaClients {
+		for _, gate := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/gate=%v", client, gate), func(t *testing.T) {
+				testLaterMainRecordWaits(t, client, gate)
+			})
+		}
+	}
+}
+
+func testLaterMainRecordWaits(t *testing.T, client string, gate bool) {
+	s := newKeyOrderSetup(t)
+	out := &handled{}
+	c := s.consume(t, "payment-service", out, failing("charge", 1), consumeOpts{client: client, noGate: !gate})
+	p := producer(t, s.brokers)
+	produceMain(t, p, "order-42", "charge")
+	waitStat(t, c, func(st deferclient.Stats) bool { return st.Deferred == 1 })
+	produceMain(t, p, "order-42", "refund")
+	got := out.waitFor(t, 2, 20*time.Second)
+	want := []string{"order-42=charge", "order-42=refund"}
+	if !gate {
+		// The control: what every consumer without the gate does.
+		want = []string{"order-42=refund", "order-42=charge"}
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("handled %q, want %q", got, want)
+	}
+	if st := c.client.Stats(); gate && st.Gated < 1 {
+		// Once at least: it may be gated again when it comes back
+		// before the scheduler's finalize of charge committed.
+		t.Errorf("stats %+v, want refund gated", st)
 	}
 }
 
@@ -214,8 +322,8 @@ func TestKeyOrderInFlightKeyStaysBlocked(t *testing.T) {
 	out := &handled{}
 	retried := make(chan struct{})
 	var once sync.Once
-	slowRetry := func(ctx context.Context, m *sarama.ConsumerMessage) error {
-		if string(m.Value) == "charge" && m.Topic == targetTopic {
+	slowRetry := func(ctx context.Context, r record) error {
+		if r.value == "charge" && r.topic == targetTopic {
 			once.Do(func() { close(retried) })
 			select { // the slow handling refund must not overtake
 			case <-time.After(1500 * time.Millisecond):
@@ -226,12 +334,12 @@ func TestKeyOrderInFlightKeyStaysBlocked(t *testing.T) {
 		return nil
 	}
 	first := failing("charge", 1)
-	c := s.consume(t, "payment-service", out, func(ctx context.Context, m *sarama.ConsumerMessage) error {
-		if err := first(ctx, m); err != nil {
+	c := s.consume(t, "payment-service", out, func(ctx context.Context, r record) error {
+		if err := first(ctx, r); err != nil {
 			return err
 		}
-		return slowRetry(ctx, m)
-	}, deferclient.HandlerConfig{})
+		return slowRetry(ctx, r)
+	}, consumeOpts{})
 	p := producer(t, s.brokers)
 	produceMain(t, p, "order-42", "charge")
 	select {
@@ -269,7 +377,7 @@ func TestKeyOrderInFlightKeyStaysBlocked(t *testing.T) {
 func TestKeyOrderRetriedRecordFailsAgain(t *testing.T) {
 	s := newKeyOrderSetup(t)
 	out := &handled{}
-	c := s.consume(t, "payment-service", out, failing("charge", 3), deferclient.HandlerConfig{})
+	c := s.consume(t, "payment-service", out, failing("charge", 3), consumeOpts{})
 	p := producer(t, s.brokers)
 	produceMain(t, p, "order-42", "charge")
 	produceMain(t, p, "order-42", "refund")
@@ -308,14 +416,20 @@ func TestKeyOrderRetriedRecordFailsAgain(t *testing.T) {
 // deferral, still gates the key's next record (the scheduler's answer is
 // read-your-writes with respect to the defer topic).
 func TestKeyOrderRebalance(t *testing.T) {
+	for _, client := range kafkaClients {
+		t.Run(client, func(t *testing.T) { testRebalance(t, client) })
+	}
+}
+
+func testRebalance(t *testing.T, client string) {
 	s := newKeyOrderSetup(t)
 	out := &handled{}
-	a := s.consume(t, "payment-service", out, failing("charge", 1), deferclient.HandlerConfig{})
+	a := s.consume(t, "payment-service", out, failing("charge", 1), consumeOpts{client: client})
 	p := producer(t, s.brokers)
 	produceMain(t, p, "order-42", "charge")
 	waitStat(t, a, func(st deferclient.Stats) bool { return st.Deferred == 1 })
 	a.stop() // leaves the group; b takes every partition
-	b := s.consume(t, "payment-service", out, nil, deferclient.HandlerConfig{})
+	b := s.consume(t, "payment-service", out, nil, consumeOpts{client: client})
 	produceMain(t, p, "order-42", "refund")
 	got := out.waitFor(t, 2, 30*time.Second)
 	if want := []string{"order-42=charge", "order-42=refund"}; !slices.Equal(got, want) {

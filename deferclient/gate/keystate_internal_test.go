@@ -1,9 +1,10 @@
-package deferclient
+package gate
 
 import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -13,7 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/IBM/sarama"
+	"github.com/twmb/franz-go/pkg/kerr"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 
 	"github.com/deferq/scheduler/internal/kafkatest"
 	"github.com/deferq/scheduler/internal/keystate"
@@ -44,12 +47,11 @@ func TestOwnDeferralBlocksUntilStored(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(p.Kill)
-	c, err := New(Config{Brokers: []string{addr}, Group: "payments", SchedulerURL: "http://" + p.HTTPAddr,
-		KeyStateWait: 10 * time.Second})
+	c, err := New(Config{Group: "payments", SchedulerURL: "http://" + p.HTTPAddr, KeyStateWait: 10 * time.Second},
+		newTestProducer(t, addr))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
 	ctx := context.Background()
 
 	// The answer that waited for all, as a consumer's first after it got
@@ -57,7 +59,7 @@ func TestOwnDeferralBlocksUntilStored(t *testing.T) {
 	if _, err := c.keyStates(ctx, []string{"order-1"}, true); err != nil {
 		t.Fatal(err)
 	}
-	msg := &sarama.ConsumerMessage{Topic: "orders", Key: []byte("order-1"), Value: []byte("charge")}
+	msg := Record{Topic: "orders", Key: []byte("order-1"), Value: []byte("charge")}
 	if err := c.Defer(ctx, msg, Deferral{Target: "orders.retry", BusinessKey: "order-1", Delay: time.Hour}); err != nil {
 		t.Fatal(err)
 	}
@@ -139,13 +141,12 @@ func TestOlderSchedulerWaitsForAll(t *testing.T) {
 	}))
 	defer older.Close()
 	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{"scheduler.defer"}})
-	c, err := New(Config{Brokers: []string{addr}, Group: "payments", SchedulerURL: older.URL})
+	c, err := New(Config{Group: "payments", SchedulerURL: older.URL}, newTestProducer(t, addr))
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
 	ctx := context.Background()
-	msg := &sarama.ConsumerMessage{Topic: "orders", Key: []byte("order-1"), Value: []byte("charge")}
+	msg := Record{Topic: "orders", Key: []byte("order-1"), Value: []byte("charge")}
 	if err := c.Defer(ctx, msg, Deferral{Target: "orders.retry", BusinessKey: "order-1", Delay: time.Hour}); err != nil {
 		t.Fatal(err)
 	}
@@ -166,4 +167,49 @@ func TestOlderSchedulerWaitsForAll(t *testing.T) {
 		strings.Contains(bodies[1], `"wait"`) || strings.Contains(bodies[2], `"wait"`) {
 		t.Errorf("requests %q: want one with a wait, refused, then two without", bodies)
 	}
+}
+
+// testProducer is a real Producer for the gate's own tests, over a kgo
+// client: the gate imports no Kafka client, its tests need one.
+type testProducer struct{ cl *kgo.Client }
+
+func newTestProducer(t *testing.T, addr string) *testProducer {
+	t.Helper()
+	cl, err := kgo.NewClient(kgo.SeedBrokers(addr), kgo.RequiredAcks(kgo.AllISRAcks()),
+		kgo.RecordPartitioner(kgo.ManualPartitioner()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(cl.Close)
+	return &testProducer{cl: cl}
+}
+
+func (p *testProducer) Partitions(ctx context.Context, topic string) (int32, error) {
+	req := kmsg.NewPtrMetadataRequest()
+	rt := kmsg.NewMetadataRequestTopic()
+	rt.Topic = kmsg.StringPtr(topic)
+	req.Topics = append(req.Topics, rt)
+	resp, err := req.RequestWith(ctx, p.cl)
+	if err != nil {
+		return 0, err
+	}
+	if len(resp.Topics) != 1 {
+		return 0, fmt.Errorf("metadata of %s: %d topics", topic, len(resp.Topics))
+	}
+	return int32(len(resp.Topics[0].Partitions)), kerr.ErrorForCode(resp.Topics[0].ErrorCode)
+}
+
+func (p *testProducer) Produce(ctx context.Context, outs []Out) ([]Position, error) {
+	var pos []Position
+	for _, o := range outs {
+		r := &kgo.Record{Topic: o.Topic, Partition: o.Partition, Key: o.Key, Value: o.Value}
+		for _, h := range o.Headers {
+			r.Headers = append(r.Headers, kgo.RecordHeader{Key: h.Key, Value: h.Value})
+		}
+		if err := p.cl.ProduceSync(ctx, r).FirstErr(); err != nil {
+			return nil, err
+		}
+		pos = append(pos, Position{Partition: r.Partition, Offset: r.Offset})
+	}
+	return pos, nil
 }
