@@ -145,8 +145,10 @@ func producerConfig(base *sarama.Config) *sarama.Config {
 	return c
 }
 
-// Close closes the Client's producer and connections.
+// Close stops following the blocked-key set and closes the Client's
+// producer and connections.
 func (c *Client) Close() error {
+	c.gate.Close()
 	return errors.Join(c.p.producer.Close(), c.p.client.Close())
 }
 

@@ -75,9 +75,20 @@ type groupHandler struct {
 	batch gate.BatchConfig
 }
 
-// Setup and Cleanup implement sarama.ConsumerGroupHandler: a claim's state
-// lives in ConsumeClaim, nothing spans the session.
-func (g *groupHandler) Setup(sarama.ConsumerGroupSession) error   { return nil }
+// Setup implements sarama.ConsumerGroupHandler: each session is an
+// assignment, for which the gate loads its group's blocked keys, waiting
+// for the scheduler to store what was produced to the defer topic before
+// (gate.Gate.Assigned). When the load fails the session goes on: its
+// claims ask the scheduler about each batch's keys until a load succeeds.
+func (g *groupHandler) Setup(sess sarama.ConsumerGroupSession) error {
+	if !g.cfg.NoGate {
+		_ = g.c.gate.Assigned(sess.Context()) // counted in Stats.FeedFailures
+	}
+	return nil
+}
+
+// Cleanup implements sarama.ConsumerGroupHandler; a claim's state lives in
+// ConsumeClaim.
 func (g *groupHandler) Cleanup(sarama.ConsumerGroupSession) error { return nil }
 
 // ConsumeClaim implements sarama.ConsumerGroupHandler.

@@ -21,6 +21,7 @@ import (
 	"github.com/deferq/scheduler/deferclient/deferkgo"
 	"github.com/deferq/scheduler/internal/kafkatest"
 	"github.com/deferq/scheduler/internal/pgtest"
+	"github.com/deferq/scheduler/internal/schedproc"
 )
 
 // The key-order tests run the scheduler binary and consumers built on the
@@ -38,6 +39,7 @@ type keyOrderSetup struct {
 	db        pgtest.DB
 	scheduler *proc
 	url       string
+	env       []string // the scheduler's
 }
 
 func newKeyOrderSetup(t *testing.T) *keyOrderSetup {
@@ -52,7 +54,20 @@ func newKeyOrderSetup(t *testing.T) *keyOrderSetup {
 		"RETRY_POLICIES=orders.*: exponential 500ms x1 forever jitter none")
 	s.scheduler = start(t, env, "--migrate")
 	s.url = "http://" + s.scheduler.HTTPAddr
+	s.env = env
 	return s
+}
+
+// restartScheduler starts the scheduler again, after it was stopped or
+// killed, where its clients know it: on the same HTTP address.
+func (s *keyOrderSetup) restartScheduler(t *testing.T) {
+	t.Helper()
+	sp, err := schedproc.StartReady(t.Context(), schedproc.Options{Bin: binary(t), Args: []string{"run"}, Env: s.env,
+		HTTPAddr: s.scheduler.HTTPAddr}, 30*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.scheduler = own(t, sp)
 }
 
 // handled is what a test consumer's handler saw: "key=value" in order.
@@ -107,6 +122,17 @@ type consumeOpts struct {
 	client string
 	// noGate sets the handler configuration's NoGate.
 	noGate bool
+	// topics are the topics consumed; nil means the main and the retry
+	// topic.
+	topics []string
+}
+
+// consumed returns the topics o says to consume.
+func (o consumeOpts) consumed() []string {
+	if o.topics == nil {
+		return []string{mainTopic, targetTopic}
+	}
+	return o.topics
 }
 
 // testConsumer is one member of a consumer group that consumes the main and
@@ -166,7 +192,7 @@ func (s *keyOrderSetup) consumeSarama(t *testing.T, group string, handle testHan
 	go func() {
 		defer close(done)
 		for ctx.Err() == nil {
-			if err := cg.Consume(ctx, []string{mainTopic, targetTopic}, gh); err != nil && ctx.Err() == nil {
+			if err := cg.Consume(ctx, o.consumed(), gh); err != nil && ctx.Err() == nil {
 				t.Logf("consumer of %s: %v", group, err)
 				time.Sleep(100 * time.Millisecond)
 			}
@@ -199,7 +225,7 @@ func (s *keyOrderSetup) consumeFranz(t *testing.T, group string, handle testHand
 		cl, err := kgo.NewClient(append(client.GroupOpts(),
 			kgo.SeedBrokers(s.brokers),
 			kgo.ConsumerGroup(group),
-			kgo.ConsumeTopics(mainTopic, targetTopic),
+			kgo.ConsumeTopics(o.consumed()...),
 			kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 			kgo.AutoCommitInterval(100*time.Millisecond),
 			kgo.HeartbeatInterval(200*time.Millisecond),

@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kerr"
@@ -105,6 +106,9 @@ type Client struct {
 	// hooks of GroupOpts followed.
 	mu      sync.Mutex
 	members map[*kgo.Client]*member
+	// noGate: Consume runs with HandlerConfig.NoGate, and an assignment
+	// loads no blocked-key set.
+	noGate atomic.Bool
 }
 
 // member is what the Client knows of one consuming kgo.Client.
@@ -156,9 +160,10 @@ func New(cfg Config) (*Client, error) {
 	return &Client{gate: g, p: p, members: map[*kgo.Client]*member{}}, nil
 }
 
-// Close closes the Client's producing kgo.Client. The consuming one is the
-// caller's to close.
+// Close stops following the blocked-key set and closes the Client's
+// producing kgo.Client. The consuming one is the caller's to close.
 func (c *Client) Close() {
+	c.gate.Close()
 	c.p.cl.Close()
 }
 

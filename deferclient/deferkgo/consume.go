@@ -80,10 +80,18 @@ func (c *Client) GroupOpts() []kgo.Opt {
 	}
 }
 
-// assigned starts a fresh claim of each partition cl was assigned.
-func (c *Client) assigned(_ context.Context, cl *kgo.Client, parts map[string][]int32) {
+// assigned starts a fresh claim of each partition cl was assigned, and
+// has the gate load its group's blocked keys for them
+// (gate.Gate.Assigned); when the load fails, the claims ask the scheduler
+// about each batch's keys until one succeeds.
+func (c *Client) assigned(ctx context.Context, cl *kgo.Client, parts map[string][]int32) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
+	defer func() {
+		c.mu.Unlock()
+		if !c.noGate.Load() {
+			_ = c.gate.Assigned(ctx) // counted in Stats.FeedFailures
+		}
+	}()
 	m := c.members[cl]
 	if m == nil {
 		m = &member{claims: map[topicPartition]*gate.ClaimState{}}
@@ -215,6 +223,7 @@ func (c *Client) Consume(ctx context.Context, cl *kgo.Client, h Handler, hc Hand
 		hc.MaxBatch = 500
 	}
 	bc := gate.BatchConfig{RetryTopic: hc.RetryTopic, Classify: hc.Classify, NoGate: hc.NoGate}
+	c.noGate.Store(hc.NoGate)
 	for ctx.Err() == nil {
 		fetches := cl.PollRecords(ctx, hc.MaxBatch)
 		settled, err := c.settle(ctx, cl, fetches, h, hc, bc)

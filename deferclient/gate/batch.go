@@ -23,6 +23,10 @@ type ClaimState struct {
 	// blocked itself until an answer covers them: a question waits for
 	// nothing.
 	waited bool
+	// gen is the assignment (Gate.Assigned) the claim came with, taken at
+	// its first batch: the blocked-key set serves it once loaded for that
+	// assignment or a later one.
+	gen uint64
 }
 
 // Consumer is what HandleBatch needs of an adapter, over its Kafka
@@ -188,8 +192,31 @@ func (g *Gate) HandleBatch(ctx context.Context, claim *ClaimState, recs []Record
 // is the one place the gate learns which keys are blocked. An error,
 // which wraps ErrUnsure, comes with every key blocked (ReasonUnknown).
 func (g *Gate) batchStates(ctx context.Context, recs []Record, keys []string, claim *ClaimState) (map[string]KeyState, error) {
-	states, err := g.keyStates(ctx, keys, !claim.waited)
-	claim.waited = claim.waited || err == nil
+	states, ok := g.setStates(keys, claim)
+	if !ok {
+		// No set to trust: ask about every key, as without one.
+		states, err := g.keyStates(ctx, keys, !claim.waited)
+		claim.waited = claim.waited || err == nil
+		return states, err
+	}
+	// The set vouches for main-topic records. A record the scheduler
+	// republished passes or not by its defer.seq against the key's head,
+	// which the set does not follow: those are asked about, without
+	// waiting (the set's load waited for all since the assignment).
+	claim.waited = true
+	var ask []string
+	for i, r := range recs {
+		if _, fromScheduler := schedulerSeq(r); fromScheduler && keys[i] != "" {
+			ask = append(ask, keys[i])
+		}
+	}
+	if len(ask) == 0 {
+		return states, nil
+	}
+	asked, err := g.keyStates(ctx, ask, false)
+	for k, st := range asked {
+		states[k] = st
+	}
 	return states, err
 }
 

@@ -101,6 +101,10 @@ type Gate struct {
 	pendingMu sync.Mutex
 	pending   map[string]localDeferral
 
+	// set is the group's blocked keys, loaded at each assignment and
+	// followed (keyset.go).
+	set keySet
+
 	statsMu sync.Mutex
 	stats   Stats
 }
@@ -169,13 +173,24 @@ type Stats struct {
 	// Queries counts key-state queries answered; QueryFailures those that
 	// failed or came back unsure, whose keys then counted as blocked.
 	Queries, QueryFailures int64
+	// SetLoads counts loads of the group's blocked-key set (at each
+	// assignment, and when the scheduler says to load again); FeedPolls
+	// the answers of its feed, FeedFailures loads and polls that failed.
+	SetLoads, FeedPolls, FeedFailures int64
+	// BlockedKeys is how many keys the set holds blocked now.
+	BlockedKeys int
 }
 
 // Stats returns the Gate's counts so far.
 func (g *Gate) Stats() Stats {
+	g.set.mu.Lock()
+	blocked := len(g.set.keys)
+	g.set.mu.Unlock()
 	g.statsMu.Lock()
 	defer g.statsMu.Unlock()
-	return g.stats
+	st := g.stats
+	st.BlockedKeys = blocked
+	return st
 }
 
 func (g *Gate) count(f func(*Stats)) {

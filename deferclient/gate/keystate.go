@@ -1,14 +1,10 @@
 package gate
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
-	"net/http"
-	"strconv"
 	"strings"
 	"time"
 
@@ -182,33 +178,9 @@ func (g *Gate) query(ctx context.Context, keys []string, all bool) (_ keystate.R
 // whether another replica may answer where this one did not.
 func (g *Gate) ask(ctx context.Context, url string, keys []string, body []byte) (_ keystate.Response, retry bool, _ error) {
 	var none keystate.Response
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url+keystate.Path, bytes.NewReader(body))
+	raw, status, err := g.post(ctx, url+keystate.Path, body)
 	if err != nil {
-		return none, false, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	if len(g.cfg.SourceKey) > 0 {
-		ts := time.Now().Unix()
-		req.Header.Set(keystate.HeaderSource, g.cfg.Source)
-		req.Header.Set(keystate.HeaderTimestamp, strconv.FormatInt(ts, 10))
-		req.Header.Set(keystate.HeaderSignature, keystate.Sign(g.cfg.SourceKey, ts, body))
-	}
-	resp, err := g.http.Do(req)
-	if err != nil {
-		return none, true, err
-	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, 16<<20))
-	if err != nil {
-		return none, true, err
-	}
-	if resp.StatusCode != http.StatusOK {
-		retry := resp.StatusCode >= 500
-		var e keystate.ErrorResponse
-		if json.Unmarshal(raw, &e) == nil && e.Error != "" {
-			return none, retry, fmt.Errorf("%s: %s", resp.Status, e.Error)
-		}
-		return none, retry, fmt.Errorf("%s", resp.Status)
+		return none, status == 0 || status >= 500, err
 	}
 	var out keystate.Response
 	if err := json.Unmarshal(raw, &out); err != nil {

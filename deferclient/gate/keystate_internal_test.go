@@ -34,24 +34,7 @@ func TestMain(m *testing.M) { pgtest.Main(m) }
 // answer's Stored covers the deferral, and forgets it after. A real
 // scheduler answers.
 func TestOwnDeferralBlocksUntilStored(t *testing.T) {
-	db := pgtest.NewDB(t)
-	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{"scheduler.defer", "orders.retry"}, Partitions: 3})
-	bin, err := schedproc.Build(t.Context(), t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := schedproc.StartReady(t.Context(), schedproc.Options{Bin: bin, Env: append(os.Environ(),
-		"DATABASE_URL="+db.URL, "KAFKA_BROKERS="+addr, "TARGET_TOPICS=orders.*", "INGEST_FUTURE_LINGER=10s",
-		"LOG_LEVEL=warn")}, time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.Kill)
-	c, err := New(Config{Group: "payments", SchedulerURL: "http://" + p.HTTPAddr, KeyStateWait: 10 * time.Second},
-		newTestProducer(t, addr))
-	if err != nil {
-		t.Fatal(err)
-	}
+	db, _, c := startScheduler(t, "10s")
 	ctx := context.Background()
 
 	// The answer that waited for all, as a consumer's first after it got
@@ -212,4 +195,31 @@ func (p *testProducer) Produce(ctx context.Context, outs []Out) ([]Position, err
 		pos = append(pos, Position{Partition: r.Partition, Offset: r.Offset})
 	}
 	return pos, nil
+}
+
+// startScheduler runs a real scheduler, with INGEST_FUTURE_LINGER linger, on
+// a fresh database and broker, and returns them with a Gate of group
+// payments that asks it.
+func startScheduler(t *testing.T, linger string) (pgtest.DB, *schedproc.Process, *Gate) {
+	t.Helper()
+	db := pgtest.NewDB(t)
+	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{"scheduler.defer", "orders.retry"}, Partitions: 3})
+	bin, err := schedproc.Build(t.Context(), t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := schedproc.StartReady(t.Context(), schedproc.Options{Bin: bin, Env: append(os.Environ(),
+		"DATABASE_URL="+db.URL, "KAFKA_BROKERS="+addr, "TARGET_TOPICS=orders.*", "INGEST_FUTURE_LINGER="+linger,
+		"LOG_LEVEL=warn")}, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Kill)
+	g, err := New(Config{Group: "payments", SchedulerURL: "http://" + p.HTTPAddr, KeyStateWait: 10 * time.Second},
+		newTestProducer(t, addr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(g.Close)
+	return db, p, g
 }

@@ -41,7 +41,7 @@ type Config struct {
 	DeferTopic        string        `env:"DEFER_TOPIC" envDefault:"scheduler.defer" form:"Kafka topic name" help:"topic deferred records are read from"`
 	ConsumerGroup     string        `env:"CONSUMER_GROUP" envDefault:"defer-scheduler" form:"consumer group id" help:"consumer group of ingest"`
 	TargetTopics      string        `env:"TARGET_TOPICS" form:"comma-separated path.Match globs, e.g. orders.*,payments.retry" help:"topics messages may be republished to; empty allows none"`
-	HTTPAddr          string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz, /metrics and the key-state query POST /v1/key-state"`
+	HTTPAddr          string        `env:"HTTP_ADDR" envDefault:":8080" form:"host:port" help:"address of /healthz, /readyz, /metrics and the client library's key gate (POST /v1/key-state, /v1/key-set, /v1/key-changes)"`
 	PprofAddr         string        `env:"PPROF_ADDR" form:"host:port, or empty" help:"serve net/http/pprof's /debug/pprof/ here, for profiling (bind it to localhost); empty: off"`
 	MaxDelay          time.Duration `env:"MAX_DELAY" envDefault:"720h" form:"Go duration, e.g. 168h" help:"longest delay a record may ask for; longer is rejected"`
 

@@ -44,6 +44,9 @@ type Options struct {
 	// Env is the process's whole environment; Start adds HTTP_ADDR (a free
 	// loopback address) and, with Pprof, PPROF_ADDR.
 	Env []string
+	// HTTPAddr, when set, is the HTTP_ADDR to use instead of a free one:
+	// a scheduler started again where its clients know it.
+	HTTPAddr string
 	// Pprof serves net/http/pprof on a free loopback address too.
 	Pprof bool
 	// Logs, when not nil, gets the process's output as it comes, besides
@@ -68,9 +71,11 @@ type Process struct {
 // Start starts the process and returns without waiting for it to be ready
 // (see WaitReady).
 func Start(opts Options) (*Process, error) {
-	addr, err := FreeAddr()
-	if err != nil {
-		return nil, err
+	addr, err := opts.HTTPAddr, error(nil)
+	if addr == "" {
+		if addr, err = FreeAddr(); err != nil {
+			return nil, err
+		}
 	}
 	args := opts.Args
 	if args == nil {
