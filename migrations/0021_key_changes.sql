@@ -19,7 +19,9 @@
 -- (docs/design.md, "The blocked-key set"). A process of an earlier release
 -- writes the rows through the same triggers, and serves neither endpoint.
 -- The trigger functions write a table the operator cannot: run
--- sql/roles/grants.sql again after this migration.
+-- sql/roles/grants.sql again after this migration. The index
+-- deferred_message_group_key serves the loads; it costs a grouped
+-- deferral one index entry.
 CREATE TABLE deferred_key_change (
     xid          xid8 NOT NULL DEFAULT pg_current_xact_id(),
     group_id     text NOT NULL,
@@ -37,3 +39,10 @@ CREATE TABLE deferred_key_change_pruned (
     only_row boolean PRIMARY KEY DEFAULT true CHECK (only_row),
     below    xid8 NOT NULL
 );
+
+-- A consumer group's blocked keys, in key order, for the clients' set
+-- loads (sql/queries/key_set.sql): by group, not by walking every group's
+-- pending rows. Partial: messages that name no group cost it nothing.
+CREATE INDEX deferred_message_group_key
+    ON deferred_message (group_id, business_key)
+    WHERE group_id IS NOT NULL AND (state IN ('pending', 'rejected') OR (state = 'parked' AND park_holds_key));

@@ -105,6 +105,13 @@ func (g *Gate) HandleBatch(ctx context.Context, claim *ClaimState, recs []Record
 		// handler. Its error says nothing more than the states do.
 		states, _ = g.batchStates(ctx, recs, keys, claim)
 	}
+	// Counted once per batch rather than under the lock per record.
+	handled := 0
+	defer func() {
+		if handled > 0 {
+			g.count(func(s *Stats) { s.Handled += int64(handled) })
+		}
+	}()
 	var queued []Out
 	marked := 0 // recs[:marked] are marked
 	done := 0   // recs[:done] are handled or deferred
@@ -141,7 +148,7 @@ func (g *Gate) HandleBatch(ctx context.Context, claim *ClaimState, recs []Record
 		}
 		err := c.Handle(ctx, i)
 		if err == nil {
-			g.count(func(s *Stats) { s.Handled++ })
+			handled++
 			done = i + 1
 			if st := states[key]; fromScheduler && st.HeadSeq != 0 && seq >= st.HeadSeq {
 				// The key's first waiting message was this one: the

@@ -229,7 +229,8 @@ func (g *Gate) changes(ctx context.Context, cursor string) error {
 }
 
 // setStates returns the state of keys from the set, this process's own
-// deferrals merged in, when a batch of claim may trust it: it was loaded,
+// deferrals merged in, when a batch of claim may trust it (a key missing
+// from the map is free): it was loaded,
 // waiting for all, after the claim's assignment, and is current.
 func (g *Gate) setStates(keys []string, claim *ClaimState) (map[string]KeyState, bool) {
 	g.set.mu.Lock()
@@ -241,18 +242,22 @@ func (g *Gate) setStates(keys []string, claim *ClaimState) (map[string]KeyState,
 		g.set.mu.Unlock()
 		return nil, false
 	}
-	states := make(map[string]KeyState, len(keys))
+	// Only blocked keys go in: a key missing from the map is free, and
+	// most keys of a batch are.
+	states := map[string]KeyState{}
 	for _, k := range keys {
-		if k != "" {
-			states[k] = g.set.keys[k]
+		if st, ok := g.set.keys[k]; ok {
+			states[k] = st
 		}
 	}
 	g.set.mu.Unlock()
 	g.pendingMu.Lock()
 	defer g.pendingMu.Unlock()
-	for k, st := range states {
-		if local, ok := g.pending[k]; ok {
-			states[k] = block(st, local.seq)
+	if len(g.pending) > 0 {
+		for _, k := range keys {
+			if local, ok := g.pending[k]; ok {
+				states[k] = block(states[k], local.seq)
+			}
 		}
 	}
 	return states, true

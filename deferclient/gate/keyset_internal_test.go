@@ -8,7 +8,6 @@ import (
 	"net/http/httptest"
 	"testing"
 	"time"
-
 )
 
 // waitFor waits, at most a minute, until ok holds; what describes the

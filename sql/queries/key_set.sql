@@ -12,21 +12,16 @@
 -- the first page's cursor: what changed between pages comes again from the
 -- feed. A key is blocked for the group when a message of the group's is
 -- pending, parked holding its key, or rejected, or when it is in flight:
--- the three sources are read by key, each by its index.
+-- both sources are read by group and key, each by its index
+-- (deferred_message_group_key, deferred_inflight's primary key).
 WITH keys AS (
     SELECT u.business_key
     FROM (
+        -- deferred_message_group_key: the group's blocking messages, by key.
         (SELECT DISTINCT m.business_key
          FROM deferred_message m
-         WHERE m.business_key > $2::text
-           AND (m.state = 'pending' OR (m.state = 'parked' AND m.park_holds_key))
-           AND m.group_id = $1
-         ORDER BY m.business_key
-         LIMIT $3)
-        UNION
-        (SELECT DISTINCT m.business_key
-         FROM deferred_message m
-         WHERE m.business_key > $2::text AND m.state = 'rejected' AND m.group_id = $1
+         WHERE m.group_id = $1 AND m.business_key > $2::text
+           AND (m.state IN ('pending', 'rejected') OR (m.state = 'parked' AND m.park_holds_key))
          ORDER BY m.business_key
          LIMIT $3)
         UNION

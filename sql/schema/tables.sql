@@ -141,6 +141,13 @@ CREATE INDEX deferred_message_released_key
     ON deferred_message (business_key)
     WHERE state = 'parked' AND NOT park_holds_key;
 
+-- A consumer group's blocked keys, in key order, for the clients' set
+-- loads (sql/queries/key_set.sql): by group, not by walking every group's
+-- pending rows. Partial: messages that name no group cost it nothing.
+CREATE INDEX deferred_message_group_key
+    ON deferred_message (group_id, business_key)
+    WHERE group_id IS NOT NULL AND (state IN ('pending', 'rejected') OR (state = 'parked' AND park_holds_key));
+
 -- The re-deferrals of a message (show_message.sql), and the messages of a
 -- lineage still pending with no history row yet (deferred_lineage_history):
 -- a re-deferral's lineage is its origin's. Partial, so that a first
