@@ -61,7 +61,10 @@ func TestSmokeRun(t *testing.T) {
 		// 0 (it did, once, on a fast machine); the whole, with Postgres's
 		// part, cannot.
 		"e2e_cpu_us_per_msg", "cpu_speed_start", "cpu_speed_end",
-		"gate_off_msgs_per_s", "gate_on_msgs_per_s", "gate_blocked1_msgs_per_s", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms",
+		"gate_sarama_noop_off_msgs_per_s", "gate_sarama_noop_on_msgs_per_s", "gate_sarama_noop_blocked1_msgs_per_s",
+		"gate_sarama_work25_busy_msgs_per_s", "gate_franz_noop_off_msgs_per_s", "gate_franz_noop_on_msgs_per_s",
+		"gate_franz_noop_blocked1_msgs_per_s", "gate_franz_work25_busy_msgs_per_s", "gate_sarama_noop_on_first_ms",
+		"gate_franz_noop_on_first_ms", "gate_sarama_noop_on_load_ms", "gate_franz_noop_on_load_ms", "gate_p99_ms", "gate_busy_p99_ms", "release_p99_ms",
 		"bare_msgs_per_s", "e2e_vs_bare", "ordered_msgs_per_s", "ordered_vs_bare", "e2e_p64_msgs_per_s", "ingest_p64_msgs_per_s", "dispatch_p64_msgs_per_s"} {
 		if vals[k] <= 0 {
 			t.Errorf("%s = %v, want a positive measurement", k, vals[k])

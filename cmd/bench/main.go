@@ -18,9 +18,10 @@
 //     costs; and the same keeping per-key order on the message row (the
 //     ordered bare queue): what key order adds at the least;
 //   - the "1,000 messages/s" figure often quoted for database-backed queues;
-//   - the key gate of the client library (deferclient): a consumer's
-//     throughput with the gate off and on, the key-state query's latency,
-//     and how soon a blocked key flows again after its commit.
+//   - the key gate of the client library (deferclient, deferkgo): a
+//     consumer's throughput with the gate off and on, with each client,
+//     what it costs Postgres, the key-state query's latency, and how soon
+//     a blocked key flows again after its commit.
 //
 // It also measures the machine's speed at its start and its end (cpuSpeed),
 // since runs on a shared machine compare only at like speeds, and the CPU
@@ -106,6 +107,15 @@ type config struct {
 	// produced meanwhile under load; GateRelease the keys whose release
 	// after commit is timed.
 	GateCalls, GateRate, GateRelease int
+	// GateN is the number of records the key gate scenario's consumers
+	// read with a handler that does nothing, GateWorkN with one that
+	// works 25 µs a record (the first GateWorkN of the same topic): a
+	// consumer that does nothing reads millions of records a second, and
+	// must read many for its runs to last long enough to be timed.
+	GateN, GateWorkN int
+	// GateRounds is how many times the no-op handler's runs are repeated,
+	// interleaved; their median counts.
+	GateRounds int
 	// ConsoleRows is the number of messages the console scenario seeds;
 	// ConsoleRequests how many times it requests each page.
 	ConsoleRows, ConsoleRequests int
@@ -165,18 +175,18 @@ var modes = map[string]config{
 		LateRate: 5_000, LateFor: 30 * time.Second, LateLead: 2 * time.Second, Large: 400, Partitions: 4,
 		FairBacklog: 1_000_000, FairRate: 100,
 		ScaleLoops: []int{1, 2, 4}, ScaleReplicas: []int{1, 2, 4}, ScaleBacklogs: []int{0, 1_000_000, 10_000_000},
-		SettleMax: time.Minute, GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 1_000_000, ConsoleRequests: 20, SpeedProbe: time.Second},
+		SettleMax: time.Minute, GateCalls: 200, GateRate: 1_000, GateRelease: 200, GateN: 2_000_000, GateWorkN: 200_000, GateRounds: 3, ConsoleRows: 1_000_000, ConsoleRequests: 20, SpeedProbe: time.Second},
 	"quick": {Mode: "quick", N: 20_000, Warmup: 1_000, Backlog: 250_000,
 		LateRate: 5_000, LateFor: 8 * time.Second, LateLead: 2 * time.Second, Large: 200, Partitions: 4,
 		FairBacklog: 200_000, FairRate: 100,
 		ScaleLoops: []int{1, 2, 4}, ScaleReplicas: []int{1, 2, 4}, ScaleBacklogs: []int{0, 250_000, 1_000_000},
-		SettleMax: time.Minute, GateCalls: 200, GateRate: 1_000, GateRelease: 200, ConsoleRows: 250_000, ConsoleRequests: 10, SpeedProbe: time.Second},
+		SettleMax: time.Minute, GateCalls: 200, GateRate: 1_000, GateRelease: 200, GateN: 1_000_000, GateWorkN: 100_000, GateRounds: 3, ConsoleRows: 250_000, ConsoleRequests: 10, SpeedProbe: time.Second},
 	// Smoke proves the program runs and reports; its numbers mean nothing.
 	"smoke": {Mode: "smoke", N: 300, Warmup: 50, Backlog: 10_000,
 		LateRate: 300, LateFor: time.Second, LateLead: time.Second, Large: 6, Partitions: 4,
 		FairBacklog: 2_000, FairRate: 100,
 		ScaleLoops: []int{1, 4}, ScaleReplicas: []int{1, 2}, ScaleBacklogs: []int{0, 10_000},
-		SettleMax: time.Second, GateCalls: 20, GateRate: 300, GateRelease: 20, ConsoleRows: 20_000, ConsoleRequests: 2, SpeedProbe: 50 * time.Millisecond},
+		SettleMax: time.Second, GateCalls: 20, GateRate: 300, GateRelease: 20, GateN: 300, GateWorkN: 300, GateRounds: 1, ConsoleRows: 20_000, ConsoleRequests: 2, SpeedProbe: 50 * time.Millisecond},
 }
 
 // configFromEnv picks the mode from BENCH_SMOKE and BENCH_QUICK (full when

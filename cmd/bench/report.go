@@ -145,15 +145,18 @@ func run(ctx context.Context, cfg config, out, log io.Writer) (err error) {
 		res.write(out)
 	}
 	gate := func() error {
-		b.say("key gate: deferclient's consumer, %d records, and the key-state query", cfg.N)
+		b.say("key gate: the client library's consumers (sarama, franz-go), %d records, and the key-state query", cfg.GateN)
 		g, err := b.runGate(ctx)
 		if err != nil {
 			return fmt.Errorf("key gate: %w", err)
 		}
 		res.gate = g
-		b.say("  gate on / off %.2f, 1%% blocked / off %.2f, query p99 %.1fms (%.1fms under load), release p99 %.0fms",
-			ratio(g.on.rate.perSecond(), g.off.rate.perSecond()), ratio(g.blocked.rate.perSecond(), g.off.rate.perSecond()),
-			ms(g.idle.p99), ms(g.busy.p99), ms(percentile(g.release, 0.99)))
+		for _, c := range gateClients {
+			off := g.offRate(c, handlerNoop)
+			b.say("  %s, no-op handler: gate on / off %.2f, 1%% blocked / off %.2f, busy / off %.2f", c, ratio(g.rateOf(c, handlerNoop, gateOn), off),
+				ratio(g.rateOf(c, handlerNoop, gateBlocked), off), ratio(g.rateOf(c, handlerNoop, gateBusy), off))
+		}
+		b.say("  query p99 %.1fms (%.1fms under load), release p99 %.0fms", ms(g.idle.p99), ms(g.busy.p99), ms(percentile(g.release, 0.99)))
 		return nil
 	}
 	consolePages := func() error {
@@ -370,7 +373,8 @@ var requiredKeys = []string{
 	"e2e_msgs_per_s", "dispatch_msgs_per_s", "ingest_msgs_per_s", "ceiling_msgs_per_s", "river_msgs_per_s",
 	"p99_lateness_ms", "hotkey_msgs_per_s", "backlog1m_dispatch_msgs_per_s", "rss_mb", "large_rss_mb",
 	"delivered", "expected", "out_of_order",
-	"gate_on_vs_off", "gate_blocked1_vs_off", "gate_p99_ms", "gate_busy_p99_ms", "release_p50_ms", "release_p99_ms",
+	"gate_sarama_noop_on_vs_off", "gate_sarama_noop_blocked1_vs_off", "gate_sarama_noop_busy_vs_off",
+	"gate_franz_noop_on_vs_off", "gate_franz_noop_blocked1_vs_off", "gate_franz_noop_busy_vs_off", "gate_p99_ms", "gate_busy_p99_ms", "release_p50_ms", "release_p99_ms",
 	"console_rows", "console_worst_p95_ms", "console_pages_over_budget",
 	"bare_msgs_per_s", "e2e_vs_bare", "bare_pg_cpu_us_per_msg", "bare_go_cpu_us_per_msg",
 	"ordered_msgs_per_s", "ordered_vs_bare", "e2e_vs_ordered", "ordered_pg_cpu_us_per_msg",
@@ -486,6 +490,8 @@ func (s *summary) resultLine() string {
 			prec = 1
 		} else if strings.Contains(k, "_vs_") {
 			prec = 3
+		} else if strings.HasSuffix(k, "_us_per_record") {
+			prec = 3
 		}
 		sb.WriteString(" " + k + "=" + strconv.FormatFloat(v, 'f', prec, 64))
 	}
@@ -509,7 +515,7 @@ func (r *results) write(w io.Writer) {
 	}
 	if cfg.Only == onlyGate {
 		fmt.Fprintf(w, "\ndefer-scheduler benchmark, mode %s, the key gate scenario alone (BENCH_ONLY=gate): %s records, %d partitions per topic\n",
-			cfg.Mode, group(float64(cfg.N)), cfg.Partitions)
+			cfg.Mode, group(float64(cfg.GateN)), cfg.Partitions)
 		for _, m := range r.machine {
 			fmt.Fprintln(w, m)
 		}
