@@ -176,19 +176,24 @@ func (g *Gate) load(ctx context.Context, gen uint64, waitAll bool) error {
 }
 
 // changes applies what changed since cursor, asking besides about this
-// process's own deferrals the scheduler may not have confirmed: one whose
-// record the answer's Stored covers is in its key's state, which then
-// replaces it.
+// process's own deferrals the scheduler may not have confirmed, with where
+// each went: the scheduler answers for one once ingest stored past it, and
+// the key's state then replaces it.
 func (g *Gate) changes(ctx context.Context, cursor string) error {
 	sent := time.Now()
 	g.pendingMu.Lock()
 	own := slices.Sorted(maps.Keys(g.pending))
-	g.pendingMu.Unlock()
 	if len(own) > keystate.MaxKeys {
 		own = own[:keystate.MaxKeys] // the rest next time
 	}
+	positions := make([]keystate.Position, len(own))
+	for i, k := range own {
+		positions[i] = keystate.Position{Partition: g.pending[k].partition, Offset: g.pending[k].offset}
+	}
+	g.pendingMu.Unlock()
 	var resp keystate.ChangesResponse
-	if err := g.call(ctx, keystate.ChangesPath, keystate.ChangesRequest{Group: g.cfg.Group, Cursor: cursor, Keys: own}, &resp); err != nil {
+	req := keystate.ChangesRequest{Group: g.cfg.Group, Cursor: cursor, Keys: own, Positions: positions}
+	if err := g.call(ctx, keystate.ChangesPath, req, &resp); err != nil {
 		return fmt.Errorf("deferclient: changes of the blocked keys of group %q: %w", g.cfg.Group, err)
 	}
 	g.count(func(s *Stats) { s.FeedPolls++ })

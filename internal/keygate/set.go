@@ -91,8 +91,16 @@ func (s *Server) ServeChanges(w http.ResponseWriter, r *http.Request) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), queryGrace)
 	defer cancel()
-	rows, err := queries.KeyChanges(ctx, s.cfg.DB, queries.KeyChangesParams{Group: req.Group, Cursor: cursor,
-		Keys: distinct(req.Keys), Topic: s.cfg.Topic, Limit: keystate.MaxChanges})
+	params := queries.KeyChangesParams{Group: req.Group, Cursor: cursor, Keys: req.Keys, Topic: s.cfg.Topic,
+		Limit: keystate.MaxChanges}
+	for _, pos := range req.Positions {
+		params.Partitions = append(params.Partitions, pos.Partition)
+		params.Offsets = append(params.Offsets, pos.Offset)
+	}
+	if params.Partitions == nil {
+		params.Keys = distinct(req.Keys)
+	}
+	rows, err := queries.KeyChanges(ctx, s.cfg.DB, params)
 	if err != nil || len(rows) == 0 {
 		s.unsure(w, r, req.Group, fmt.Sprintf("database: reading the blocked keys' changes: %v", err))
 		return
@@ -227,6 +235,14 @@ func checkChangesRequest(req keystate.ChangesRequest) (int64, string) {
 	}
 	if len(req.Keys) > keystate.MaxKeys {
 		return 0, fmt.Sprintf("keys holds %d keys, at most %d per request", len(req.Keys), keystate.MaxKeys)
+	}
+	if len(req.Positions) > 0 && len(req.Positions) != len(req.Keys) {
+		return 0, fmt.Sprintf("positions holds %d positions for %d keys: give one per key, or none", len(req.Positions), len(req.Keys))
+	}
+	for i, pos := range req.Positions {
+		if pos.Partition < 0 || pos.Offset < 0 {
+			return 0, fmt.Sprintf("positions[%d] is partition %d, offset %d: want 0 or more", i, pos.Partition, pos.Offset)
+		}
 	}
 	for i, k := range req.Keys {
 		switch {

@@ -167,6 +167,21 @@ func TestKeySetFollowsEveryChange(t *testing.T) {
 	}
 	cursor = got.Cursor
 
+	// Keys given with where the client's deferral went are answered once
+	// ingest has stored past it, not before.
+	var pos keystate.ChangesResponse
+	if status, why := postTo(t, e.srv.ServeChanges, keystate.ChangesPath, keystate.ChangesRequest{Group: "payments", Cursor: cursor,
+		Keys:      []string{"stored", "not-yet", "other-partition"},
+		Positions: []keystate.Position{{Partition: 0, Offset: 41}, {Partition: 0, Offset: 42}, {Partition: 7, Offset: 0}}}, &pos); status != 200 {
+		t.Fatalf("changes with positions: %d %s", status, why)
+	}
+	k := byKey(pos.Keys)
+	_, early := k["not-yet"]
+	_, elsewhere := k["other-partition"]
+	if k["stored"].Key != "stored" || early || elsewhere {
+		t.Errorf("with positions (ingest at 42 in partition 0, nothing in 7): %+v, want \"stored\" and neither other", pos.Keys)
+	}
+
 	// The finalize moves "published" in flight: no change.
 	tx, err := pool.Begin(context.Background())
 	if err != nil {
@@ -507,6 +522,8 @@ func TestKeySetBadInput(t *testing.T) {
 		{"changes long key", keystate.ChangesPath, `{"group":"g","cursor":"1","keys":["` + long + `"]}`, "keys[0] is 1025 bytes"},
 		{"changes key not UTF-8", keystate.ChangesPath, `{"group":"g","cursor":"1","keys":["a","\udc00"]}`, "keys[1] is not valid UTF-8"},
 		{"changes too many keys", keystate.ChangesPath, string(manyJSON), "keys holds 1001 keys, at most 1000"},
+		{"changes positions not one per key", keystate.ChangesPath, `{"group":"g","cursor":"1","keys":["a","b"],"positions":[{"partition":0,"offset":1}]}`, "positions holds 1 positions for 2 keys"},
+		{"changes negative position", keystate.ChangesPath, `{"group":"g","cursor":"1","keys":["a"],"positions":[{"partition":0,"offset":-1}]}`, "positions[0] is partition 0, offset -1"},
 	}
 	handlers := map[string]http.HandlerFunc{keystate.SetPath: e.srv.ServeSet, keystate.ChangesPath: e.srv.ServeChanges}
 	for _, tt := range tests {

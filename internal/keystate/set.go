@@ -59,6 +59,17 @@ type ChangesRequest struct {
 	// as Stored: a client's own deferrals, which it keeps blocked until
 	// Stored covers them (at most MaxKeys).
 	Keys []string `json:"keys,omitempty"`
+	// Positions, when given, are one per key of Keys: where the client's
+	// deferral of the key went in the defer topic. A key is then answered
+	// only once ingest has stored past its position, so that each
+	// deferral's state is read once rather than at every question.
+	Positions []Position `json:"positions,omitempty"`
+}
+
+// Position is where a record went in the defer topic.
+type Position struct {
+	Partition int32 `json:"partition"`
+	Offset    int64 `json:"offset"`
 }
 
 // ChangesResponse answers a ChangesRequest.

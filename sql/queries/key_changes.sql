@@ -27,7 +27,11 @@
 --
 -- The positions are read in the same snapshot as the states: a record
 -- below them was stored, so the state of its key in $3 includes it. A
--- client keeps its own deferrals blocked until then.
+-- client keeps its own deferrals blocked until then. $6 (int[]) and $7
+-- (bigint[]), when given, pair each key of $3 with the partition and
+-- offset of the client's deferral: a key is answered only once ingest has
+-- stored past it, so that a deferral costs one state read, not one per
+-- question until it is stored.
 WITH h AS (
     SELECT pg_snapshot_xmin(pg_current_snapshot()) AS horizon,
            $2::bigint::text::xid8 AS cursor,
@@ -51,7 +55,10 @@ SELECT head.cursor, head.reset, head.stored_partitions, head.stored_offsets, hea
        s.business_key, s.blocked, s.reason, s.head_seq, s.head_id
 FROM head
 LEFT JOIN LATERAL deferred_key_state($1, ARRAY(
-    SELECT k FROM unnest($3::text[]) AS a (k)
+    SELECT a.k
+    FROM unnest($3::text[], $6::int[], $7::bigint[]) AS a (k, p, o)
+    WHERE a.p IS NULL
+       OR EXISTS (SELECT FROM ingest_offset io WHERE io.topic = $4 AND io.partition = a.p AND io.next_offset > a.o)
     UNION
     SELECT business_key FROM changed
 )) s ON NOT head.reset

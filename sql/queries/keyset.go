@@ -42,9 +42,15 @@ type KeyChangesParams struct {
 	Keys   []string // $3: keys whose state to give as well
 	Topic  string   // $4: the defer topic, for the ingest positions
 	Limit  int      // $5: more changed keys than this: reset
+	// $6, $7: with Keys, the partition and offset of each key's deferral
+	// (nil: answer every key of Keys).
+	Partitions []int32
+	Offsets    []int64
 }
 
-func (p KeyChangesParams) args() []any { return []any{p.Group, p.Cursor, p.Keys, p.Topic, p.Limit} }
+func (p KeyChangesParams) args() []any {
+	return []any{p.Group, p.Cursor, p.Keys, p.Topic, p.Limit, p.Partitions, p.Offsets}
+}
 
 // KeyChangesRow is one changed or asked-about key's state now, each with
 // the statement's cursor, reset and ingest positions; with BusinessKey nil,
