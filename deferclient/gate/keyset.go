@@ -33,7 +33,13 @@ const (
 
 // keySet is the gate's copy of its group's blocked keys.
 type keySet struct {
-	mu sync.Mutex
+	// fetch is held across a whole load or feed question, request
+	// included: answers are applied in the order of the snapshots they
+	// were read at, so that a load cannot put back a state older than
+	// what a feed answer already put in the set (and forgot a local
+	// deferral for).
+	fetch sync.Mutex
+	mu    sync.Mutex
 	// keys holds the blocked keys, each with its state.
 	keys map[string]KeyState
 	// cursor is where the feed goes on from; "" before the first load.
@@ -142,6 +148,8 @@ func (g *Gate) feed(stop, done chan struct{}) {
 // load reads the whole set, page by page, for assignment gen; waitAll
 // makes the first page wait for ingest to store the defer topic.
 func (g *Gate) load(ctx context.Context, gen uint64, waitAll bool) error {
+	g.set.fetch.Lock()
+	defer g.set.fetch.Unlock()
 	sent := time.Now()
 	keys := map[string]KeyState{}
 	req := keystate.SetRequest{Group: g.cfg.Group, WaitMillis: int(g.cfg.KeyStateWait.Milliseconds())}
@@ -180,6 +188,8 @@ func (g *Gate) load(ctx context.Context, gen uint64, waitAll bool) error {
 // each went: the scheduler answers for one once ingest stored past it, and
 // the key's state then replaces it.
 func (g *Gate) changes(ctx context.Context, cursor string) error {
+	g.set.fetch.Lock()
+	defer g.set.fetch.Unlock()
 	sent := time.Now()
 	g.pendingMu.Lock()
 	own := slices.Sorted(maps.Keys(g.pending))

@@ -153,3 +153,46 @@ func TestKeySetUnsupported(t *testing.T) {
 		t.Errorf("a batch: %+v, %v, %d questions; want order-1 free after one question", states, err, len(asked))
 	}
 }
+
+// TestKeySetKeepsOwnDeferralUntilTheFeedHasIt: while the gate follows a
+// set, a question that covers the gate's own deferral (asked for a
+// republished record of the key) must not forget it: the set may not hold
+// the key yet, and forgetting it would leave the key free until the feed
+// caught up. TestKeyOrderEndToEnd found this: a main-topic record handled
+// before an earlier one of its key that was deferred. Here the feed is
+// held still (stopped, the gate still marked as following it) so that
+// the question comes first.
+func TestKeySetKeepsOwnDeferralUntilTheFeedHasIt(t *testing.T) {
+	db, _, g := startScheduler(t, "0s")
+	ctx := context.Background()
+	if err := g.Assigned(ctx); err != nil {
+		t.Fatal(err)
+	}
+	g.Close()
+	g.set.mu.Lock()
+	g.set.following = true
+	g.set.mu.Unlock()
+
+	rec := Record{Topic: "orders", Key: []byte("order-1"), Value: []byte("charge")}
+	if err := g.Defer(ctx, rec, Deferral{Target: "orders.retry", BusinessKey: "order-1", Delay: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "ingest to store the deferral", func() (bool, string) {
+		var n int
+		err := db.Pool.QueryRow(ctx, "SELECT count(*) FROM deferred_message WHERE business_key = 'order-1'").Scan(&n)
+		return err == nil && n == 1, fmt.Sprintf("%d rows, %v", n, err)
+	})
+	states, err := g.keyStates(ctx, []string{"order-1"}, false)
+	if err != nil || !states["order-1"].Blocked {
+		t.Fatalf("the question: %+v, %v; want order-1 blocked", states, err)
+	}
+	if got, ok := g.setStates([]string{"order-1"}, &ClaimState{}); ok && !got["order-1"].Blocked {
+		t.Errorf("after a question covered the deferral, the set's answer is %+v: the key reads free", got)
+	}
+	g.pendingMu.Lock()
+	_, kept := g.pending["order-1"]
+	g.pendingMu.Unlock()
+	if !kept {
+		t.Error("the question forgot the gate's own deferral while the set does not hold its key")
+	}
+}

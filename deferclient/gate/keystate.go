@@ -114,7 +114,13 @@ func (g *Gate) keyStates(ctx context.Context, keys []string, all bool) (map[stri
 	// A deferral of this process's that the answer may not cover still
 	// counts. One the answer covers is forgotten: one made before a
 	// question that waited for all, or one below what the answer says
-	// ingest had stored.
+	// ingest had stored. Not while the gate follows a blocked-key set:
+	// the set may not hold the key yet, and the answer's state is not
+	// the set's to take (it may be newer than a feed answer still on its
+	// way); the feed forgets it once it put the key's state in the set.
+	g.set.mu.Lock()
+	following := g.set.following
+	g.set.mu.Unlock()
 	g.pendingMu.Lock()
 	defer g.pendingMu.Unlock()
 	for _, k := range ask {
@@ -122,7 +128,7 @@ func (g *Gate) keyStates(ctx context.Context, keys []string, all bool) (map[stri
 		if !ok {
 			continue
 		}
-		if next, ok := stored[local.partition]; (waitedAll && local.at.Before(asked)) || (ok && next > local.offset) {
+		if next, ok := stored[local.partition]; !following && ((waitedAll && local.at.Before(asked)) || (ok && next > local.offset)) {
 			delete(g.pending, k)
 			continue
 		}
