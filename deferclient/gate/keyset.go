@@ -257,23 +257,35 @@ func (g *Gate) setStates(keys []string, claim *ClaimState) (map[string]KeyState,
 		g.set.mu.Unlock()
 		return nil, false
 	}
+	g.set.mu.Unlock()
+	// Own deferrals first, then the set: the feed puts a key's state in
+	// the set before it forgets the deferral, so one of the two reads has
+	// it whenever the feed runs between them.
+	var own map[string]int64
+	g.pendingMu.Lock()
+	if len(g.pending) > 0 {
+		for _, k := range keys {
+			if local, ok := g.pending[k]; ok {
+				if own == nil {
+					own = map[string]int64{}
+				}
+				own[k] = local.seq
+			}
+		}
+	}
+	g.pendingMu.Unlock()
 	// Only blocked keys go in: a key missing from the map is free, and
 	// most keys of a batch are.
 	states := map[string]KeyState{}
+	g.set.mu.Lock()
 	for _, k := range keys {
 		if st, ok := g.set.keys[k]; ok {
 			states[k] = st
 		}
 	}
 	g.set.mu.Unlock()
-	g.pendingMu.Lock()
-	defer g.pendingMu.Unlock()
-	if len(g.pending) > 0 {
-		for _, k := range keys {
-			if local, ok := g.pending[k]; ok {
-				states[k] = block(states[k], local.seq)
-			}
-		}
+	for k, seq := range own {
+		states[k] = block(states[k], seq)
 	}
 	return states, true
 }
