@@ -27,127 +27,44 @@ func consumed(key, value string, headers ...string) *kgo.Record {
 	return r
 }
 
-// TestDefer: what Defer writes to the defer topic, read back from a real
-// broker: the record's key, value and headers byte for byte and in order,
-// the control headers set or replaced in place, stale one-shot headers
-// dropped, the partition the business key's, and a signature the
-// scheduler's check accepts.
+// TestDefer: Defer hands the record over as the client read it: key,
+// value and headers byte for byte and in order, to the business key's
+// partition of the defer topic. What Defer makes of the headers is
+// gate's, tested there (gate's TestDefer).
 func TestDefer(t *testing.T) {
 	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{deferTopic}, Partitions: 8})
-	key := []byte("0123456789abcdef0123456789abcdef")
-	client, err := deferkgo.New(deferkgo.Config{Brokers: []string{addr}, Group: "payment-service",
-		Source: "payments", SourceKey: key})
+	client, err := deferkgo.New(deferkgo.Config{Brokers: []string{addr}, Group: "payment-service"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer client.Close()
 	col := kafkatest.Collect(t, addr, deferTopic)
-
-	tests := []struct {
-		name string
-		rec  *kgo.Record
-		d    deferkgo.Deferral
-		want []string // headers, in order, without the signature
-		bkey string
-	}{
-		{
-			name: "first failure of a main-topic record",
-			rec:  consumed("rec-1", "charge", "trace", "abc", "original.topic", "orders"),
-			d:    deferkgo.Deferral{Target: "orders.retry", BusinessKey: "order-42", Delay: 1500 * time.Millisecond, ErrorClass: "ProviderTimeout", ErrorMessage: "no answer"},
-			want: []string{"trace=abc", "original.topic=orders", "defer.target=orders.retry", "defer.key=order-42",
-				"defer.group=payment-service", "defer.source=payments", "defer.error.class=ProviderTimeout",
-				"defer.error.message=no answer", "defer.delay=1500"},
-			bkey: "order-42",
-		},
-		{
-			name: "a republished record fails again: keeps its place and attempt, replaces the one-shot and error headers in place",
-			rec: consumed("rec-2", "refund", "defer.target", "orders.retry", "defer.key", "order-42", "defer.id", "17",
-				"defer.seq", "9", "defer.attempt", "2", "defer.scheduled-at", "2026-11-25T10:00:00Z",
-				"defer.error.class", "Old", "defer.source", "payments", "defer.signature", strings.Repeat("0", 64),
-				"defer.group", "payment-service"),
-			d: deferkgo.Deferral{At: time.Date(2026, 11, 25, 11, 0, 0, 0, time.UTC), ErrorClass: "ProviderTimeout"},
-			want: []string{"defer.target=orders.retry", "defer.key=order-42", "defer.id=17", "defer.seq=9", "defer.attempt=2",
-				"defer.scheduled-at=2026-11-25T10:00:00Z", "defer.error.class=ProviderTimeout", "defer.source=payments",
-				"defer.group=payment-service", "defer.at=2026-11-25T11:00:00Z"},
-			bkey: "order-42",
-		},
-		{
-			name: "the record key is the business key when nothing names one",
-			rec:  consumed("order-7", "ship"),
-			d:    deferkgo.Deferral{Target: "orders.retry"},
-			want: []string{"defer.target=orders.retry", "defer.key=order-7", "defer.group=payment-service", "defer.source=payments"},
-			bkey: "order-7",
-		},
-	}
-	for i, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			if err := client.Defer(t.Context(), tt.rec, tt.d); err != nil {
-				t.Fatal(err)
-			}
-			got := col.Wait(t, i+1, 10*time.Second)[i]
-			if string(got.Key) != string(tt.rec.Key) || string(got.Value) != string(tt.rec.Value) {
-				t.Errorf("key/value %q/%q, want %q/%q", got.Key, got.Value, tt.rec.Key, tt.rec.Value)
-			}
-			if want := gate.Partition(tt.bkey, 8); got.Partition != want {
-				t.Errorf("partition %d, want %d (the business key %q's)", got.Partition, want, tt.bkey)
-			}
-			var rec protocol.Record
-			rec.Key, rec.Value = got.Key, got.Value
-			var headers []string
-			for _, h := range got.Headers {
-				rec.Headers = append(rec.Headers, protocol.Header{Key: h.Key, Value: h.Value})
-				if string(h.Key) != protocol.HeaderSignature {
-					headers = append(headers, string(h.Key)+"="+string(h.Value))
-				}
-			}
-			if !slices.Equal(headers, tt.want) {
-				t.Errorf("headers\n  %q\nwant\n  %q", headers, tt.want)
-			}
-			if err := protocol.Verify(key, rec); err != nil {
-				t.Errorf("the scheduler would refuse the signature: %v", err)
-			}
-		})
-	}
-	if st := client.Stats(); st.Deferred != int64(len(tests)) {
-		t.Errorf("stats %+v, want %d deferred", st, len(tests))
-	}
-}
-
-// TestDeferRefuses: deferrals that cannot be right fail before anything is
-// produced, saying why.
-func TestDeferRefuses(t *testing.T) {
-	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{deferTopic}})
-	client, err := deferkgo.New(deferkgo.Config{Brokers: []string{addr}})
-	if err != nil {
+	rec := consumed("rec-2", "refund", "trace", "abc", "defer.target", "orders.retry", "defer.key", "order-42",
+		"defer.id", "17", "defer.seq", "9", "defer.attempt", "2")
+	if err := client.Defer(t.Context(), rec, deferkgo.Deferral{ErrorClass: "ProviderTimeout"}); err != nil {
 		t.Fatal(err)
 	}
-	defer client.Close()
-	tests := []struct {
-		name string
-		rec  *kgo.Record
-		d    deferkgo.Deferral
-		want string
-	}{
-		{"no target", consumed("k", "v"), deferkgo.Deferral{}, "no target"},
-		{"delay and at", consumed("k", "v"), deferkgo.Deferral{Target: "t", Delay: time.Second, At: time.Now()}, "not both"},
-		{"negative delay", consumed("k", "v"), deferkgo.Deferral{Target: "t", Delay: -time.Second}, "negative delay"},
-		{"key too long", consumed("k", "v"), deferkgo.Deferral{Target: "t", BusinessKey: strings.Repeat("k", 1025)}, "business key of 1025 bytes"},
-		{"no record", nil, deferkgo.Deferral{Target: "t"}, "nil record"},
+	got := col.Wait(t, 1, 10*time.Second)[0]
+	if string(got.Key) != "rec-2" || string(got.Value) != "refund" {
+		t.Errorf("key/value %q/%q, want rec-2/refund", got.Key, got.Value)
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			err := client.Defer(t.Context(), tt.rec, tt.d)
-			if err == nil || !strings.Contains(err.Error(), tt.want) {
-				t.Errorf("Defer = %v, want an error containing %q", err, tt.want)
-			}
-		})
+	if want := gate.Partition("order-42", 8); got.Partition != want {
+		t.Errorf("partition %d, want %d (the business key's)", got.Partition, want)
 	}
-	if st := client.Stats(); st.Deferred != 0 {
-		t.Errorf("stats %+v after refusals, want nothing deferred", st)
+	var headers []string
+	for _, h := range got.Headers {
+		headers = append(headers, string(h.Key)+"="+string(h.Value))
+	}
+	want := []string{"trace=abc", "defer.target=orders.retry", "defer.key=order-42", "defer.id=17", "defer.seq=9",
+		"defer.attempt=2", "defer.group=payment-service", "defer.error.class=ProviderTimeout"}
+	if !slices.Equal(headers, want) {
+		t.Errorf("headers\n  %q\nwant\n  %q", headers, want)
 	}
 }
 
-// TestNewRefuses: a configuration that cannot work is refused at once.
+// TestNewRefuses: a configuration that cannot work is refused at once,
+// the adapter's own checks and gate's alike (gate's TestNewRefuses has
+// the rest).
 func TestNewRefuses(t *testing.T) {
 	tests := []struct {
 		name string
@@ -155,8 +72,6 @@ func TestNewRefuses(t *testing.T) {
 		want string
 	}{
 		{"no brokers", deferkgo.Config{}, "no brokers"},
-		{"bad source", deferkgo.Config{Brokers: []string{"x:1"}, Source: "bad source"}, "source"},
-		{"short key", deferkgo.Config{Brokers: []string{"x:1"}, Source: "s", SourceKey: []byte("short")}, "at least"},
 		{"long group", deferkgo.Config{Brokers: []string{"x:1"}, Group: strings.Repeat("g", 256)}, "group of 256 bytes"},
 	}
 	for _, tt := range tests {
@@ -166,6 +81,19 @@ func TestNewRefuses(t *testing.T) {
 				t.Errorf("New = %v, want an error containing %q", err, tt.want)
 			}
 		})
+	}
+}
+
+// TestDeferRefusesNil: a nil record is refused, saying so.
+func TestDeferRefusesNil(t *testing.T) {
+	addr := kafkatest.Start(t, kafkatest.Broker{Topics: []string{deferTopic}})
+	client, err := deferkgo.New(deferkgo.Config{Brokers: []string{addr}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	if err := client.Defer(t.Context(), nil, deferkgo.Deferral{Target: "t"}); err == nil || !strings.Contains(err.Error(), "nil record") {
+		t.Errorf("Defer(nil) = %v, want an error naming the nil record", err)
 	}
 }
 
