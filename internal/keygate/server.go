@@ -310,27 +310,17 @@ func parseRequest(body []byte) (keystate.Request, string) {
 		return req, "the body holds more than one JSON value"
 	}
 	groupBad, keysBad := invalidText(body)
-	switch {
-	case req.Group == "":
-		return req, "group is empty: name the consumer group the keys are asked for"
-	case len(req.Group) > protocol.MaxGroupBytes:
-		return req, fmt.Sprintf("group is %d bytes, at most %d", len(req.Group), protocol.MaxGroupBytes)
-	case groupBad:
-		return req, "group is not valid UTF-8"
-	case len(req.Keys) == 0:
-		return req, "keys is empty: ask about at least one business key"
-	case len(req.Keys) > keystate.MaxKeys:
-		return req, fmt.Sprintf("keys holds %d keys, at most %d per request", len(req.Keys), keystate.MaxKeys)
+	if why := checkGroup(req.Group); why != "" {
+		return req, why
 	}
-	for i, k := range req.Keys {
-		switch {
-		case k == "":
-			return req, fmt.Sprintf("keys[%d] is empty", i)
-		case len(k) > keystate.MaxKeyBytes:
-			return req, fmt.Sprintf("keys[%d] is %d bytes, at most %d", i, len(k), keystate.MaxKeyBytes)
-		case keysBad[i]:
-			return req, fmt.Sprintf("keys[%d] is not valid UTF-8", i)
-		}
+	if groupBad {
+		return req, "group is not valid UTF-8"
+	}
+	if len(req.Keys) == 0 {
+		return req, "keys is empty: ask about at least one business key"
+	}
+	if why := checkKeys(req.Keys, keysBad); why != "" {
+		return req, why
 	}
 	if req.WaitMillis < 0 || req.WaitMillis > keystate.MaxWaitMillis {
 		return req, fmt.Sprintf("wait_ms is %d; want 0 (the server's default) to %d", req.WaitMillis, keystate.MaxWaitMillis)

@@ -434,19 +434,23 @@ func setGroup(t *testing.T, pool *pgxpool.Pool, group string, ids ...int64) {
 	}
 }
 
+// keyMessage is m as a message of business key key, due in an hour, to
+// orders.created unless it names a target or is rejected.
+func keyMessage(key string, m fixture.Message) fixture.Message {
+	m.Key = fixture.Key(key)
+	if m.Target == "" && m.State != "rejected" {
+		m.Target = "orders.created"
+	}
+	m.In = time.Hour
+	return m
+}
+
 // TestKeyStates answers for keys in every state, for one group, in the
 // order asked, a key asked twice answered twice.
 func TestKeyStates(t *testing.T) {
 	e := newEnv(t, nil)
 	pool := e.db.Pool
-	msg := func(key string, m fixture.Message) fixture.Message {
-		m.Key = fixture.Key(key)
-		if m.Target == "" && m.State != "rejected" {
-			m.Target = "orders.created"
-		}
-		m.In = time.Hour
-		return m
-	}
+	msg := keyMessage
 	ids := fixture.Insert(t, pool,
 		msg("pending", fixture.Message{}),
 		msg("pending", fixture.Message{}),

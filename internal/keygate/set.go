@@ -202,6 +202,26 @@ func checkGroup(group string) string {
 	return ""
 }
 
+// checkKeys says what is wrong with a request's keys (too many, or one
+// empty, too long, or in bad, the indexes of those that are not valid
+// UTF-8 as sent), "" when nothing is.
+func checkKeys(keys []string, bad map[int]bool) string {
+	if len(keys) > keystate.MaxKeys {
+		return fmt.Sprintf("keys holds %d keys, at most %d per request", len(keys), keystate.MaxKeys)
+	}
+	for i, k := range keys {
+		switch {
+		case k == "":
+			return fmt.Sprintf("keys[%d] is empty", i)
+		case len(k) > keystate.MaxKeyBytes:
+			return fmt.Sprintf("keys[%d] is %d bytes, at most %d", i, len(k), keystate.MaxKeyBytes)
+		case bad[i]:
+			return fmt.Sprintf("keys[%d] is not valid UTF-8", i)
+		}
+	}
+	return ""
+}
+
 // checkSetRequest says what is wrong with a key-set request, naming the
 // field, "" when nothing is.
 func checkSetRequest(req keystate.SetRequest) string {
@@ -233,8 +253,8 @@ func checkChangesRequest(req keystate.ChangesRequest) (int64, string) {
 	if err != nil || cursor < 0 {
 		return 0, fmt.Sprintf("cursor is %q; want the cursor of the last answer (%s or %s), a number", req.Cursor, keystate.SetPath, keystate.ChangesPath)
 	}
-	if len(req.Keys) > keystate.MaxKeys {
-		return 0, fmt.Sprintf("keys holds %d keys, at most %d per request", len(req.Keys), keystate.MaxKeys)
+	if why := checkKeys(req.Keys, nil); why != "" {
+		return 0, why
 	}
 	if len(req.Positions) > 0 && len(req.Positions) != len(req.Keys) {
 		return 0, fmt.Sprintf("positions holds %d positions for %d keys: give one per key, or none", len(req.Positions), len(req.Keys))
@@ -242,14 +262,6 @@ func checkChangesRequest(req keystate.ChangesRequest) (int64, string) {
 	for i, pos := range req.Positions {
 		if pos.Partition < 0 || pos.Offset < 0 {
 			return 0, fmt.Sprintf("positions[%d] is partition %d, offset %d: want 0 or more", i, pos.Partition, pos.Offset)
-		}
-	}
-	for i, k := range req.Keys {
-		switch {
-		case k == "":
-			return 0, fmt.Sprintf("keys[%d] is empty", i)
-		case len(k) > keystate.MaxKeyBytes:
-			return 0, fmt.Sprintf("keys[%d] is %d bytes, at most %d", i, len(k), keystate.MaxKeyBytes)
 		}
 	}
 	return cursor, ""

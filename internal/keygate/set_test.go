@@ -114,14 +114,7 @@ func TestKeySetFollowsEveryChange(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
 	pool := e.db.Pool
-	msg := func(key string, m fixture.Message) fixture.Message {
-		m.Key = fixture.Key(key)
-		if m.State != "rejected" {
-			m.Target = "orders.created"
-		}
-		m.In = time.Hour
-		return m
-	}
+	msg := keyMessage
 	ids := fixture.Insert(t, pool,
 		msg("pending", fixture.Message{}),
 		msg("pending", fixture.Message{}),
